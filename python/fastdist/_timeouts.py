@@ -1,0 +1,295 @@
+"""Timeouts and deadlines: validation, the default timeout, deadline scopes, RendezvousTimeout.
+
+A relative ``timeout=`` (seconds or a ``timedelta``) becomes an absolute deadline once, when a
+call starts; from then on only deadlines are compared. ``math.inf`` means no deadline. Deadline
+objects (an open :func:`fail_after` / :func:`fail_at` scope, a :class:`RendezvousTimeout`) let
+several calls share one deadline. The effective deadline of a call is the sooner of its own and
+that of every enclosing scope.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import math
+import os
+import threading
+from typing import Any, Callable, Iterator, Optional, Union
+
+from . import _core
+
+__all__ = [
+    "TimeoutLike",
+    "current_time",
+    "fail_after",
+    "fail_at",
+    "get_default_timeout",
+    "set_default_timeout",
+    "get_timeout_handler",
+    "set_timeout_handler",
+    "DeadlineScope",
+    "RendezvousTimeout",
+]
+
+_DEFAULT_TIMEOUT_FALLBACK = 600.0
+
+
+def current_time() -> float:
+    """Seconds on fastdist's monotonic clock, the clock every deadline is expressed in."""
+    return _core.monotonic()
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine, created on first use so that `import fastdist` starts no thread.
+
+_engine_lock = threading.Lock()
+_engine: Optional[_core.Engine] = None
+
+
+def engine() -> _core.Engine:
+    global _engine
+    eng = _engine
+    if eng is None:
+        with _engine_lock:
+            if _engine is None:
+                _engine = _core.default_engine()
+            eng = _engine
+    return eng
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_seconds(value: float, name: str) -> float:
+    if math.isnan(value):
+        raise ValueError(f"{name} must not be NaN, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return float(value)
+
+
+def validate_seconds(value: object, name: str = "timeout", *, deadline_objects: bool = False) -> float:
+    """A relative timeout in seconds (number or timedelta, ``math.inf`` allowed), or an error
+    naming the argument and the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, datetime.timedelta)):
+        kinds = "a number of seconds, a datetime.timedelta, math.inf"
+        kinds += ", a RendezvousTimeout or an open fail_after/fail_at scope" if deadline_objects else ""
+        raise TypeError(f"{name} must be {kinds}; got {type(value).__name__}: {value!r}")
+    if isinstance(value, datetime.timedelta):
+        return _check_seconds(value.total_seconds(), name)
+    return _check_seconds(float(value), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Default timeout
+
+_default_timeout: Optional[float] = None
+
+
+def set_default_timeout(timeout: Union[float, datetime.timedelta, None]) -> None:
+    """Sets the timeout used when a call gets ``timeout=None``. ``None`` restores the default:
+    ``FASTDIST_TIMEOUT`` (seconds) from the environment, else 600 s."""
+    global _default_timeout
+    _default_timeout = None if timeout is None else validate_seconds(timeout, "timeout")
+
+
+def get_default_timeout() -> float:
+    """The timeout in seconds that ``timeout=None`` stands for."""
+    if _default_timeout is not None:
+        return _default_timeout
+    env = os.environ.get("FASTDIST_TIMEOUT")
+    if env is None or env.strip() == "":
+        return _DEFAULT_TIMEOUT_FALLBACK
+    try:
+        value = float(env)
+    except ValueError:
+        raise ValueError(f"FASTDIST_TIMEOUT must be a number of seconds, got {env!r}") from None
+    return _check_seconds(value, "FASTDIST_TIMEOUT")
+
+
+# ---------------------------------------------------------------------------------------------
+# Deadline scopes
+
+# The sooner of every enclosing scope's deadline; math.inf outside any scope. A ContextVar, so
+# that each thread (and each asyncio task) sees only the scopes it entered.
+_scope_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("fastdist_scope_deadline", default=math.inf)
+
+
+class DeadlineScope:
+    """An open :func:`fail_after` / :func:`fail_at` scope. Passing it as ``timeout=`` makes a call
+    use the scope's deadline (useful in a thread the scope does not cover)."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+
+    def remaining(self) -> float:
+        """Seconds until the deadline, 0 once it passed."""
+        return max(0.0, self.deadline - current_time())
+
+    def _fastdist_deadline(self) -> float:
+        return self.deadline
+
+    def __repr__(self) -> str:
+        if math.isinf(self.deadline):
+            return "DeadlineScope(no deadline)"
+        return f"DeadlineScope(deadline={self.deadline:.3f}, remaining={self.remaining():.3f} s)"
+
+
+@contextlib.contextmanager
+def fail_at(deadline: float) -> Iterator[DeadlineScope]:
+    """Bounds every fastdist call inside the block by an absolute ``deadline`` on
+    :func:`current_time`'s clock. Calls inside get the sooner of their own deadline and this one;
+    a call that starts after the deadline raises at once, without touching the network.
+
+    The scope bounds fastdist calls only: it does not interrupt other code, and leaving it
+    raises nothing by itself.
+    """
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+        raise TypeError(f"deadline must be a number (seconds on fastdist.current_time()), got {type(deadline).__name__}: {deadline!r}")
+    if math.isnan(deadline):
+        raise ValueError(f"deadline must not be NaN, got {deadline!r}")
+    with _enter(float(deadline)) as scope:
+        yield scope
+
+
+@contextlib.contextmanager
+def fail_after(seconds: Union[float, datetime.timedelta]) -> Iterator[DeadlineScope]:
+    """Bounds every fastdist call inside the block to finish within ``seconds`` of entering it::
+
+        with fastdist.fail_after(30):
+            fastdist.barrier()            # each call gets the time left of the 30 s
+            fastdist.all_gather(out, t)
+    """
+    budget = validate_seconds(seconds, "seconds")
+    with _enter(current_time() + budget) as scope:
+        yield scope
+
+
+@contextlib.contextmanager
+def _enter(deadline: float) -> Iterator[DeadlineScope]:
+    scope = DeadlineScope(min(deadline, _scope_deadline.get()))
+    reset = _scope_deadline.set(scope.deadline)
+    try:
+        yield scope
+    finally:
+        _scope_deadline.reset(reset)
+
+
+# ---------------------------------------------------------------------------------------------
+# RendezvousTimeout
+
+
+class RendezvousTimeout:
+    """A deadline that starts counting when it is closed, shared by several calls.
+
+    ``close()`` starts the countdown of ``timeout`` seconds (again: no effect). A call given it
+    as ``timeout=`` closes it if it is still open, then uses its deadline, so a sequence of calls
+    (rank 0 waiting for every rank to gather, then for data from every rank) stops within one
+    budget::
+
+        rt = fastdist.RendezvousTimeout(timeout=30)
+        fastdist.barrier(timeout=rt)              # starts the 30 s
+        fastdist.all_gather(out, t, timeout=rt)   # gets what is left of them
+        if rt.is_timed_out(): ...
+    """
+
+    __slots__ = ("_timeout", "_deadline", "_lock")
+
+    def __init__(self, timeout: Union[float, datetime.timedelta] = 10.0) -> None:
+        self._timeout = validate_seconds(timeout, "timeout")
+        self._deadline: Optional[float] = None
+        self._lock = threading.Lock()
+
+    @property
+    def timeout(self) -> float:
+        """The countdown's length in seconds."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether the countdown has started."""
+        return self._deadline is not None
+
+    @property
+    def deadline(self) -> Optional[float]:
+        """The absolute deadline on :func:`current_time`'s clock, or ``None`` while open."""
+        return self._deadline
+
+    def close(self) -> float:
+        """Starts the countdown if it has not started; returns the deadline. Idempotent."""
+        if self._deadline is None:
+            with self._lock:
+                if self._deadline is None:
+                    self._deadline = current_time() + self._timeout
+        return self._deadline
+
+    def is_timed_out(self) -> bool:
+        """True once the countdown has started and run out."""
+        return self._deadline is not None and current_time() >= self._deadline
+
+    def remaining(self) -> float:
+        """Seconds left: the whole timeout while open, then down to 0."""
+        if self._deadline is None:
+            return self._timeout
+        return max(0.0, self._deadline - current_time())
+
+    def _fastdist_deadline(self) -> float:
+        return self.close()
+
+    def __repr__(self) -> str:
+        if self._deadline is None:
+            return f"RendezvousTimeout(timeout={self._timeout:g}, open)"
+        state = "timed out" if self.is_timed_out() else "closed"
+        return f"RendezvousTimeout(timeout={self._timeout:g}, {state}, remaining={self.remaining():.3f} s)"
+
+
+TimeoutLike = Union[float, int, datetime.timedelta, RendezvousTimeout, DeadlineScope, None]
+
+
+def resolve_deadline(timeout: object, now: float) -> float:
+    """The absolute deadline for a call starting at ``now`` given its ``timeout=`` argument,
+    before enclosing scopes are applied. Raises ``TypeError``/``ValueError`` for bad input."""
+    if timeout is None:
+        return now + get_default_timeout()
+    if isinstance(timeout, (RendezvousTimeout, DeadlineScope)):
+        return timeout._fastdist_deadline()
+    return now + validate_seconds(timeout, "timeout", deadline_objects=True)
+
+
+def effective_deadline(timeout: object, now: float) -> float:
+    """The sooner of the call's own deadline and every enclosing scope's."""
+    return min(resolve_deadline(timeout, now), _scope_deadline.get())
+
+
+# ---------------------------------------------------------------------------------------------
+# Timeout handler
+
+TimeoutHandler = Callable[[BaseException], Any]
+
+_handler: Optional[TimeoutHandler] = None
+
+
+def set_timeout_handler(handler: Optional[TimeoutHandler]) -> None:
+    """Sets ``handler(error)``, run in the thread that observed a timeout before the error is
+    raised (or before ``False`` is returned with ``raise_on_timeout=False``). If it raises,
+    including ``sys.exit()``, that propagates instead; if it returns, the default behaviour
+    follows. ``None`` restores the default (no handler)."""
+    global _handler
+    if handler is not None and not callable(handler):
+        raise TypeError(f"handler must be callable or None, got {type(handler).__name__}: {handler!r}")
+    _handler = handler
+
+
+def get_timeout_handler() -> Optional[TimeoutHandler]:
+    """The handler set by :func:`set_timeout_handler`, or ``None``."""
+    return _handler
+
+
+def run_timeout_handler(error: BaseException) -> None:
+    handler = _handler
+    if handler is not None:
+        handler(error)
