@@ -1,0 +1,109 @@
+"""Runs test scenarios on real processes: one Python process per rank, gloo, and a TCPStore on
+127.0.0.1 hosted by the test process on a free port.
+
+Each rank runs ``tests/rank_main.py SCENARIO RANK WORLD PORT``, which calls the function of that
+name in ``tests/scenarios.py``. Ranks report what they saw as JSON records on stdout. The whole
+run has a hard deadline, and every child is killed by PID in a ``finally``, so a bug cannot hang
+the suite. Ranks that play "absent" block on the store key ``RELEASE_KEY``, which the harness sets
+once every other rank has exited, so an absent rank never closes its connections early.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+RELEASE_KEY = "fastdist_test/release"
+RECORD_PREFIX = "@@fastdist@@ "
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+    exited_at: Optional[float]  # time.time() when the harness saw the process end
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self, event: str) -> dict[str, Any]:
+        for r in self.records:
+            if r.get("event") == event:
+                return r
+        raise AssertionError(f"rank {self.rank} recorded no {event!r}; records={self.records}\nstderr:\n{self.stderr[-3000:]}")
+
+    def has(self, event: str) -> bool:
+        return any(r.get("event") == event for r in self.records)
+
+
+def run_ranks(
+    scenario: str,
+    world_size: int,
+    *,
+    absent: tuple[int, ...] = (),
+    timeout: float = 60.0,
+    env: Optional[dict[str, str]] = None,
+) -> list[RankResult]:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    child_env = dict(os.environ)
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    child_env.update(env or {})
+    procs: list[subprocess.Popen[bytes]] = []
+    outs: list[tuple[Any, Any]] = []
+    exited_at: dict[int, float] = {}
+    released = False
+    try:
+        for rank in range(world_size):
+            out = tempfile.TemporaryFile()
+            err = tempfile.TemporaryFile()
+            outs.append((out, err))
+            cmd = [sys.executable, str(HERE / "rank_main.py"), scenario, str(rank), str(world_size), str(store.port)]
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=child_env, cwd=str(HERE.parent)))
+        hard_deadline = time.monotonic() + timeout
+        while len(exited_at) < world_size:
+            for rank, p in enumerate(procs):
+                if rank not in exited_at and p.poll() is not None:
+                    exited_at[rank] = time.time()
+            present = [r for r in range(world_size) if r not in absent]
+            if not released and all(r in exited_at for r in present):
+                store.set(RELEASE_KEY, "1")
+                released = True
+            if time.monotonic() > hard_deadline:
+                raise TimeoutError(f"scenario {scenario!r} did not finish within {timeout} s; exited: {sorted(exited_at)}")
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+        del store
+    results = []
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+        out.close()
+        err.close()
+        records = [json.loads(line[len(RECORD_PREFIX):]) for line in stdout.splitlines() if line.startswith(RECORD_PREFIX)]
+        results.append(RankResult(rank, p.returncode, stdout, stderr, exited_at.get(rank), records))
+    return results
+
+
+def describe(results: list[RankResult]) -> str:
+    parts = []
+    for r in results:
+        parts.append(f"--- rank {r.rank} rc={r.returncode} records={r.records}\n{r.stderr[-2000:]}")
+    return "\n".join(parts)

@@ -1,0 +1,59 @@
+"""Entry point of one rank in a multi-process test: ``rank_main.py SCENARIO RANK WORLD PORT``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mp import RECORD_PREFIX, RELEASE_KEY  # noqa: E402
+
+
+class Context:
+    def __init__(self, rank: int, world_size: int, port: int) -> None:
+        from torch.distributed import TCPStore
+
+        self.rank = rank
+        self.world_size = world_size
+        self.port = port
+        self.store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+
+    def record(self, event: str, **fields: Any) -> None:
+        fields["event"] = event
+        fields.setdefault("wall", time.time())
+        print(RECORD_PREFIX + json.dumps(fields), flush=True)
+
+    def init(self) -> None:
+        import torch.distributed as dist
+
+        prefix = dist.PrefixStore("pg", self.store)
+        dist.init_process_group("gloo", store=prefix, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=60))
+
+    def wait_release(self) -> None:
+        """Plays an absent rank: stays alive, in no collective, until the harness releases it."""
+        self.record("absent")
+        self.store.wait([RELEASE_KEY], timedelta(seconds=120))
+
+
+def main() -> None:
+    scenario, rank, world_size, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    import scenarios
+
+    ctx = Context(rank, world_size, port)
+    try:
+        getattr(scenarios, scenario)(ctx)
+    except Exception:
+        ctx.record("crash", traceback=traceback.format_exc())
+        sys.stdout.flush()
+        raise
+    ctx.record("ending")
+
+
+if __name__ == "__main__":
+    main()
