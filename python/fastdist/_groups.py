@@ -15,6 +15,7 @@ import threading
 from typing import Any, Optional
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _Backend
 
 from .errors import GroupAbortedError
 
@@ -38,7 +39,8 @@ def resolve(group: Any) -> Optional[Any]:
         return dist.distributed_c10d._get_default_group()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return None
-    if not isinstance(group, dist.ProcessGroup):
+    # A raw backend (e.g. a ProcessGroupGloo built by hand) has the same per-call API.
+    if not isinstance(group, (dist.ProcessGroup, _Backend)):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}: {group!r}")
     return group
 

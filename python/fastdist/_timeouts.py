@@ -262,7 +262,14 @@ def resolve_deadline(timeout: object, now: float) -> float:
 
 def effective_deadline(timeout: object, now: float) -> float:
     """The sooner of the call's own deadline and every enclosing scope's."""
-    return min(resolve_deadline(timeout, now), _scope_deadline.get())
+    # Fast path for the common case, a plain positive number (every collective call runs this).
+    kind = type(timeout)
+    if (kind is float or kind is int) and timeout > 0:  # type: ignore[operator]
+        deadline = now + timeout  # type: ignore[operator]
+    else:
+        deadline = resolve_deadline(timeout, now)
+    scope = _scope_deadline.get()
+    return deadline if deadline < scope else scope
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,11 +40,29 @@ def backend_grace(budget: float) -> float:
     return min(1.0, max(0.1, 0.1 * budget))
 
 
-def _backend_timeout(deadline: float, now: float) -> Optional[datetime.timedelta]:
-    if math.isinf(deadline):
-        return None  # the group's own default applies
-    budget = max(0.0, deadline - now)
-    return datetime.timedelta(seconds=budget + backend_grace(budget))
+# Options objects are copied by the backend when an op is issued, so one object per distinct
+# backend timeout can be shared by every call. Timeouts are rounded up to 10 ms so that calls
+# with the same timeout= share one; the cache is bounded.
+_OPTIONS_STEP_MS = 10
+_options_cache: dict[tuple[type, int], Any] = {}
+
+
+def _options(kind: type, deadline: float, now: float) -> Any:
+    """A ``kind`` (e.g. ``AllgatherOptions``) whose timeout makes the backend give up
+    ``backend_grace`` after ``deadline``; for no deadline, the group's own default applies."""
+    if deadline == math.inf:
+        key = -1
+    else:
+        budget = max(0.0, deadline - now)
+        key = math.ceil((budget + backend_grace(budget)) * 1000 / _OPTIONS_STEP_MS)
+    opts = _options_cache.get((kind, key))
+    if opts is None:
+        opts = kind()
+        if key >= 0:
+            opts.timeout = datetime.timedelta(milliseconds=key * _OPTIONS_STEP_MS)
+        if len(_options_cache) < 1024:
+            _options_cache[(kind, key)] = opts
+    return opts
 
 
 def _run(
@@ -52,16 +70,17 @@ def _run(
     pg: Any,
     start: float,
     deadline: float,
-    issue: Callable[[Optional[datetime.timedelta]], Any],
+    issue: Callable[[Any], Any],
+    options: type,
 ) -> bool:
-    """Issues one collective through ``issue(backend_timeout)`` and waits for it until
+    """Issues one collective through ``issue(options)`` and waits for it until
     ``deadline``. Returns True on success; on timeout marks the group dead, runs the timeout
     handler and raises (the caller turns that into ``False`` when asked to)."""
     now = current_time()
     if now >= deadline:
         # Nothing was issued, so the group is still consistent here: do not mark it dead.
         _raise_timeout(op, pg, start, deadline, now, cause="the deadline had passed before the call")
-    work = issue(_backend_timeout(deadline, now))
+    work = issue(_options(options, deadline, now))
     try:
         finished = wait_until(work, deadline)
     except BaseException:
@@ -149,16 +168,10 @@ def barrier(group: Any = None, *, timeout: TimeoutLike = None, raise_on_timeout:
         return True
     _groups.check_alive(pg, "barrier")
 
-    def issue(backend_timeout: Optional[datetime.timedelta]) -> Any:
-        opts = BarrierOptions()
-        if backend_timeout is not None:
-            opts.timeout = backend_timeout
-        return pg.barrier(opts)
-
     if raise_on_timeout:
-        return _run("barrier", pg, start, deadline, issue)
+        return _run("barrier", pg, start, deadline, pg.barrier, BarrierOptions)
     try:
-        return _run("barrier", pg, start, deadline, issue)
+        return _run("barrier", pg, start, deadline, pg.barrier, BarrierOptions)
     except CollectiveTimeoutError:
         return False
 
@@ -189,17 +202,16 @@ def all_gather(
         raise ValueError(
             f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got {len(tensor_list)}"
         )
-    if any(t.dtype != tensor.dtype for t in tensor_list):
-        raise ValueError(f"tensor_list must hold tensors of tensor's dtype ({tensor.dtype})")
+    dtype = tensor.dtype
+    for t in tensor_list:
+        if t.dtype != dtype:
+            raise ValueError(f"tensor_list must hold tensors of tensor's dtype ({dtype}), got {t.dtype}")
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
         tensor_list = [torch.view_as_real(t) for t in tensor_list]
 
-    def issue(backend_timeout: Optional[datetime.timedelta]) -> Any:
-        opts = AllgatherOptions()
-        if backend_timeout is not None:
-            opts.timeout = backend_timeout
+    def issue(opts: Any) -> Any:
         return pg.allgather([tensor_list], [tensor], opts)
 
-    _run("all_gather", pg, start, deadline, issue)
+    _run("all_gather", pg, start, deadline, issue, AllgatherOptions)
     return None

@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine with Python 3.9+ and a C++ compiler:
+#   make demo    set up .venv (torch==2.13.0 unless the venv has a torch), build, run the demo
+#   make test    same set-up, then the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fastdist-installed
+SOURCES := pyproject.toml CMakeLists.txt $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null)
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q ".[test]"
+	touch $@
+
+demo: setup
+	$(PY) -m fastdist demo
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) -m pytest bench -p no:randomly --benchmark-only --benchmark-json=bench/results/latest.json
+
+clean:
+	rm -rf build $(VENV)

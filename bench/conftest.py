@@ -1,0 +1,86 @@
+"""A 2-rank gloo job for the benchmarks: the pytest process is rank 0, a peer process is rank 1.
+
+Rank 0 posts each step's plan (the exact sequence of calls) in the store before making those
+calls; the peer makes the same calls, so every collective has its partner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+# FASTDIST_BENCH_SMOKE=1 runs each benchmark a handful of times (the test suite does this so
+# that no benchmark can rot); the real run is `make bench`.
+SMOKE = os.environ.get("FASTDIST_BENCH_SMOKE") == "1"
+
+
+class Pair:
+    def __init__(self, store, ops: dict[str, Callable[[], None]]) -> None:
+        self.store = store
+        self.ops = ops
+        self.step = 0
+
+    def run(self, names: list[str]) -> list[float]:
+        """Makes the calls in order on both ranks; returns rank 0's time for each, in seconds."""
+        self.store.set(f"plan/{self.step}", json.dumps(names))
+        self.step += 1
+        times = []
+        for name in names:
+            op = self.ops[name]
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def interleaved(self, raw: str, fd: str, rounds: int) -> dict[str, float]:
+        """Alternates raw and fastdist calls (order flipped every round) and compares medians."""
+        names = []
+        for i in range(rounds):
+            names += [raw, fd] if i % 2 == 0 else [fd, raw]
+        times = self.run(names)
+        raw_t = [t for n, t in zip(names, times) if n == raw]
+        fd_t = [t for n, t in zip(names, times) if n == fd]
+        raw_med, fd_med = statistics.median(raw_t), statistics.median(fd_t)
+        return {
+            "raw_median_us": raw_med * 1e6,
+            "fastdist_median_us": fd_med * 1e6,
+            "ratio_of_medians": fd_med / raw_med,
+            "added_us": (fd_med - raw_med) * 1e6,
+            "rounds": rounds,
+        }
+
+
+@pytest.fixture(scope="session")
+def pair() -> Iterator[Pair]:
+    import torch.distributed as dist
+
+    from ops import make_ops
+
+    world_size = 2
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    peer = subprocess.Popen([sys.executable, str(HERE / "peer.py"), str(store.port), str(world_size)])
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=0, world_size=world_size)
+        p = Pair(store, make_ops(world_size))
+        p.run(["raw_barrier"] * 50 + ["fd_barrier"] * 50)  # warm up both paths
+        yield p
+        store.set(f"plan/{p.step}", json.dumps(None))
+        peer.wait(timeout=30)
+        dist.destroy_process_group()
+    finally:
+        if peer.poll() is None:
+            os.kill(peer.pid, signal.SIGKILL)
+            peer.wait()

@@ -1,0 +1,233 @@
+"""The public API without processes: validation, deadlines, scopes, errors, the handler."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastdist
+from fastdist import CollectiveTimeoutError, FastdistError, GroupAbortedError, RendezvousTimeout
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: exact messages, naming the argument and the value, before anything else happens
+# (here the default group is not even initialized, so any later step would raise RuntimeError).
+
+
+@pytest.mark.parametrize(
+    ("value", "exc", "message"),
+    [
+        (0, ValueError, "timeout must be positive, got 0.0"),
+        (-1.5, ValueError, "timeout must be positive, got -1.5"),
+        (datetime.timedelta(seconds=-2), ValueError, "timeout must be positive, got -2.0"),
+        (math.nan, ValueError, "timeout must not be NaN, got nan"),
+        (
+            True,
+            TypeError,
+            "timeout must be a number of seconds, a datetime.timedelta, math.inf, a RendezvousTimeout "
+            "or an open fail_after/fail_at scope; got bool: True",
+        ),
+        (
+            "10",
+            TypeError,
+            "timeout must be a number of seconds, a datetime.timedelta, math.inf, a RendezvousTimeout "
+            "or an open fail_after/fail_at scope; got str: '10'",
+        ),
+    ],
+)
+def test_bad_timeouts_are_refused_with_exact_messages(value, exc, message) -> None:
+    for call in (
+        lambda: fastdist.barrier(timeout=value),
+        lambda: fastdist.all_gather([torch.zeros(1)], torch.zeros(1), timeout=value),
+    ):
+        with pytest.raises(exc) as info:
+            call()
+        assert str(info.value) == message
+
+
+def test_other_bad_arguments_name_the_argument() -> None:
+    with pytest.raises(TypeError, match=r"^raise_on_timeout must be a bool, got int: 1$"):
+        fastdist.barrier(timeout=1, raise_on_timeout=1)
+    with pytest.raises(TypeError, match=r"^tensor_list must be a list of torch.Tensor, got tuple$"):
+        fastdist.all_gather((torch.zeros(1),), torch.zeros(1), timeout=1)
+    with pytest.raises(TypeError, match=r"^tensor must be a torch.Tensor, got list$"):
+        fastdist.all_gather([torch.zeros(1)], [1], timeout=1)
+    with pytest.raises(TypeError, match=r"^group must be a torch.distributed.ProcessGroup or None, got str: 'x'$"):
+        fastdist.barrier("x", timeout=1)
+    with pytest.raises(RuntimeError, match="default process group is not initialized"):
+        fastdist.barrier(timeout=1)
+    with pytest.raises(ValueError, match=r"^seconds must be positive, got 0.0$"):
+        with fastdist.fail_after(0):
+            pass
+    with pytest.raises(ValueError, match=r"^deadline must not be NaN, got nan$"):
+        with fastdist.fail_at(math.nan):
+            pass
+    with pytest.raises(TypeError, match=r"^handler must be callable or None, got int: 3$"):
+        fastdist.set_timeout_handler(3)
+    with pytest.raises(ValueError, match=r"^timeout must be positive, got 0.0$"):
+        RendezvousTimeout(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Default timeout
+
+
+def test_default_timeout_from_setter_env_and_fallback(monkeypatch) -> None:
+    monkeypatch.delenv("FASTDIST_TIMEOUT", raising=False)
+    assert fastdist.get_default_timeout() == 600.0
+    monkeypatch.setenv("FASTDIST_TIMEOUT", "42.5")
+    assert fastdist.get_default_timeout() == 42.5
+    try:
+        fastdist.set_default_timeout(datetime.timedelta(seconds=7))
+        assert fastdist.get_default_timeout() == 7.0
+    finally:
+        fastdist.set_default_timeout(None)
+    assert fastdist.get_default_timeout() == 42.5
+    monkeypatch.setenv("FASTDIST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"^FASTDIST_TIMEOUT must be a number of seconds, got 'soon'$"):
+        fastdist.get_default_timeout()
+    monkeypatch.setenv("FASTDIST_TIMEOUT", "-3")
+    with pytest.raises(ValueError, match=r"^FASTDIST_TIMEOUT must be positive, got -3.0$"):
+        fastdist.get_default_timeout()
+
+
+# ---------------------------------------------------------------------------------------------
+# Deadlines and scopes
+
+
+def test_scopes_nest_and_take_the_sooner_deadline() -> None:
+    from fastdist._timeouts import effective_deadline
+
+    now = fastdist.current_time()
+    assert effective_deadline(5, now) == now + 5
+    assert effective_deadline(math.inf, now) == math.inf
+    with fastdist.fail_after(10) as outer:
+        assert outer.deadline == pytest.approx(fastdist.current_time() + 10, abs=0.05)
+        assert effective_deadline(100, now) == outer.deadline
+        assert effective_deadline(1, now) == now + 1
+        with fastdist.fail_at(outer.deadline + 50) as inner:  # a later inner scope cannot extend
+            assert inner.deadline == outer.deadline
+        with fastdist.fail_after(2) as inner2:
+            assert effective_deadline(None, now) == inner2.deadline
+            # An open scope passed as timeout= gives its deadline to calls outside its thread.
+            assert effective_deadline(inner2, now) == inner2.deadline
+        assert effective_deadline(100, now) == outer.deadline
+    assert effective_deadline(100, now) == now + 100
+    assert "remaining=" in repr(outer)
+
+
+def test_expired_scope_raises_at_once_without_touching_the_network() -> None:
+    # The group is resolved after the deadline check would need it, so use a real 1-rank gloo
+    # group: the call must raise CollectiveTimeoutError at once and leave the group usable.
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    pg = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
+    with fastdist.fail_at(fastdist.current_time() - 1):
+        with pytest.raises(CollectiveTimeoutError) as info:
+            fastdist.barrier(pg, timeout=10)
+    assert info.value.elapsed < 0.1 and "deadline had passed" in str(info.value)
+    assert fastdist.barrier(pg, timeout=10) is True
+    out = [torch.zeros(2)]
+    fastdist.all_gather(out, torch.tensor([1.0, 2.0]), pg, timeout=10)
+    assert out[0].tolist() == [1.0, 2.0]
+    assert fastdist.barrier(pg, timeout=math.inf) is True
+
+
+def test_rendezvous_timeout_states() -> None:
+    rt = RendezvousTimeout(timeout=datetime.timedelta(seconds=30))
+    assert not rt.closed and rt.deadline is None and not rt.is_timed_out()
+    assert rt.remaining() == 30.0 and rt.timeout == 30.0
+    assert repr(rt) == "RendezvousTimeout(timeout=30, open)"
+    deadline = rt.close()
+    assert rt.closed and rt.deadline == deadline and rt.close() == deadline  # idempotent
+    assert 29.0 < rt.remaining() <= 30.0 and not rt.is_timed_out()
+    assert repr(rt).startswith("RendezvousTimeout(timeout=30, closed, remaining=")
+    short = RendezvousTimeout(0.01)
+    from fastdist._timeouts import effective_deadline
+
+    effective_deadline(short, fastdist.current_time())  # a call given it closes it
+    assert short.closed
+    import time
+
+    time.sleep(0.02)
+    assert short.is_timed_out() and short.remaining() == 0.0
+    assert "timed out" in repr(short)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_errors_build_messages_from_fields_and_round_trip_through_pickle() -> None:
+    err = CollectiveTimeoutError(
+        op="barrier", rank=1, world_size=4, group="default", timeout=10.0, elapsed=10.02,
+        missing_ranks=[2, 3], cause=None,
+    )
+    assert str(err) == "barrier on group 'default' timed out after 10.0 s on rank 1 of 4 (waited 10.0 s): ranks 2, 3 never arrived"
+    assert isinstance(err, TimeoutError) and isinstance(err, FastdistError)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is CollectiveTimeoutError and str(back) == str(err)
+    assert (back.op, back.rank, back.world_size, back.missing_ranks) == ("barrier", 1, 4, [2, 3])
+
+    aborted = GroupAbortedError(op="all_gather", group="default", rank=0, reason="barrier timed out on rank 0")
+    back = pickle.loads(pickle.dumps(aborted))
+    assert str(back) == str(aborted) and back.reason == "barrier timed out on rank 0"
+    assert "destroy it and create a new one" in str(back)
+
+    plain = pickle.loads(pickle.dumps(FastdistError("something")))
+    assert str(plain) == "something"
+    with pytest.raises(TypeError, match="builds its message from its fields"):
+        CollectiveTimeoutError("free text")
+
+
+# ---------------------------------------------------------------------------------------------
+# Handler and import
+
+
+def test_timeout_handler_runs_before_the_raise_and_can_replace_it() -> None:
+    import torch.distributed as dist
+
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    seen: list[BaseException] = []
+    assert fastdist.get_timeout_handler() is None
+    try:
+        fastdist.set_timeout_handler(seen.append)
+        assert fastdist.get_timeout_handler() == seen.append
+        with fastdist.fail_at(0.0):
+            with pytest.raises(CollectiveTimeoutError) as info:
+                fastdist.barrier(pg)
+            assert seen == [info.value]
+            assert fastdist.barrier(pg, raise_on_timeout=False) is False
+            assert len(seen) == 2
+
+            def replace(err: BaseException) -> None:
+                raise KeyError("mine")
+
+            fastdist.set_timeout_handler(replace)
+            with pytest.raises(KeyError, match="mine"):
+                fastdist.barrier(pg)
+    finally:
+        fastdist.set_timeout_handler(None)
+    assert fastdist.get_timeout_handler() is None
+
+
+def test_import_starts_no_thread_and_imports_nothing_heavy() -> None:
+    code = (
+        "import sys, threading, os; import fastdist; "
+        "print(threading.active_count(), len(os.listdir('/proc/self/task')), "
+        "'numpy' in sys.modules, 'fastdist._core' in sys.modules)"
+    )
+    before = subprocess.run([sys.executable, "-c", "import torch, os; print(len(os.listdir('/proc/self/task')))"], capture_output=True, text=True, check=True)
+    after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    py_threads, os_threads, _numpy, _core_loaded = after.stdout.split()
+    assert py_threads == "1"
+    assert int(os_threads) == int(before.stdout)  # no thread beyond what torch itself starts
