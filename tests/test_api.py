@@ -124,22 +124,40 @@ def test_scopes_nest_and_take_the_sooner_deadline() -> None:
     assert "remaining=" in repr(outer)
 
 
-def test_expired_scope_raises_at_once_without_touching_the_network() -> None:
-    # The group is resolved after the deadline check would need it, so use a real 1-rank gloo
-    # group: the call must raise CollectiveTimeoutError at once and leave the group usable.
+def _solo_group():
+    """A real 1-rank gloo backend, no job needed."""
     import torch.distributed as dist
 
-    store = dist.HashStore()
-    pg = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+
+
+def test_expired_scope_raises_at_once_and_marks_the_group_dead() -> None:
+    pg = _solo_group()
     with fastdist.fail_at(fastdist.current_time() - 1):
         with pytest.raises(CollectiveTimeoutError) as info:
             fastdist.barrier(pg, timeout=10)
     assert info.value.elapsed < 0.1 and "deadline had passed" in str(info.value)
+    # This rank skipped a collective its peers would make: the group is out of step.
+    assert fastdist.is_dead(pg)
+    with pytest.raises(GroupAbortedError, match="barrier #1 timed out on rank 0"):
+        fastdist.barrier(pg, timeout=10)
+
+
+def test_solo_group_collectives_work_with_every_kind_of_timeout() -> None:
+    pg = _solo_group()
     assert fastdist.barrier(pg, timeout=10) is True
+    assert fastdist.barrier(pg, timeout=math.inf) is True
+    assert fastdist.barrier(pg, timeout=datetime.timedelta(seconds=5)) is True
     out = [torch.zeros(2)]
     fastdist.all_gather(out, torch.tensor([1.0, 2.0]), pg, timeout=10)
     assert out[0].tolist() == [1.0, 2.0]
-    assert fastdist.barrier(pg, timeout=math.inf) is True
+    with fastdist.fail_after(5) as scope:
+        t = torch.tensor([3.0])
+        fastdist.all_reduce(t, group=pg)
+        fastdist.broadcast(t, 0, pg, timeout=scope)
+        assert t.item() == 3.0
+        h = fastdist.all_reduce(t, group=pg, async_op=True)
+        assert isinstance(h, fastdist.Work) and h.wait() is True and h.is_completed() and h.exception() is None
 
 
 def test_rendezvous_timeout_states() -> None:
@@ -169,19 +187,34 @@ def test_rendezvous_timeout_states() -> None:
 
 def test_errors_build_messages_from_fields_and_round_trip_through_pickle() -> None:
     err = CollectiveTimeoutError(
-        op="barrier", rank=1, world_size=4, group="default", timeout=10.0, elapsed=10.02,
-        missing_ranks=[2, 3], cause=None,
+        op="all_reduce", seq=57, rank=0, world_size=4, group="default", timeout=10.0, elapsed=10.02,
+        missing_ranks=[2], desynced={3: "barrier #57"}, last_seen="all_reduce #56", cause=None,
     )
-    assert str(err) == "barrier on group 'default' timed out after 10.0 s on rank 1 of 4 (waited 10.0 s): ranks 2, 3 never arrived"
+    assert str(err) == (
+        "all_reduce #57 on group 'default' timed out after 10.0 s on rank 0: "
+        "rank 2 never arrived (last seen in all_reduce #56); rank 3 is in barrier #57"
+    )
     assert isinstance(err, TimeoutError) and isinstance(err, FastdistError)
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is CollectiveTimeoutError and str(back) == str(err)
-    assert (back.op, back.rank, back.world_size, back.missing_ranks) == ("barrier", 1, 4, [2, 3])
+    assert (back.op, back.seq, back.rank, back.world_size, back.missing_ranks) == ("all_reduce", 57, 0, 4, [2])
+    assert back.desynced == {3: "barrier #57"}
+    two = CollectiveTimeoutError(
+        op="barrier", seq=3, rank=1, world_size=4, group="g", timeout=2.0, elapsed=2.1,
+        missing_ranks=[2, 3], desynced={}, last_seen="barrier #2", cause=None,
+    )
+    assert str(two) == "barrier #3 on group 'g' timed out after 2 s on rank 1: ranks 2, 3 never arrived (last seen in barrier #2)"
+    for err2 in (
+        fastdist.CollectiveMismatchError(op="all_gather", seq=4, group="default", rank=0, expected="all_gather(f32[2])", differing={2: "all_gather(f32[3])"}),
+        fastdist.RecoveryError(group="default", rank=1, generation=2, reason="no", missing_ranks=[3]),
+    ):
+        back2 = pickle.loads(pickle.dumps(err2))
+        assert type(back2) is type(err2) and str(back2) == str(err2)
 
     aborted = GroupAbortedError(op="all_gather", group="default", rank=0, reason="barrier timed out on rank 0")
     back = pickle.loads(pickle.dumps(aborted))
     assert str(back) == str(aborted) and back.reason == "barrier timed out on rank 0"
-    assert "destroy it and create a new one" in str(back)
+    assert "call fastdist.recover() on every live rank" in str(back)
 
     plain = pickle.loads(pickle.dumps(FastdistError("something")))
     assert str(plain) == "something"
@@ -194,9 +227,6 @@ def test_errors_build_messages_from_fields_and_round_trip_through_pickle() -> No
 
 
 def test_timeout_handler_runs_before_the_raise_and_can_replace_it() -> None:
-    import torch.distributed as dist
-
-    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
     seen: list[BaseException] = []
     assert fastdist.get_timeout_handler() is None
     try:
@@ -204,9 +234,9 @@ def test_timeout_handler_runs_before_the_raise_and_can_replace_it() -> None:
         assert fastdist.get_timeout_handler() == seen.append
         with fastdist.fail_at(0.0):
             with pytest.raises(CollectiveTimeoutError) as info:
-                fastdist.barrier(pg)
+                fastdist.barrier(_solo_group())
             assert seen == [info.value]
-            assert fastdist.barrier(pg, raise_on_timeout=False) is False
+            assert fastdist.barrier(_solo_group(), raise_on_timeout=False) is False
             assert len(seen) == 2
 
             def replace(err: BaseException) -> None:
@@ -214,7 +244,7 @@ def test_timeout_handler_runs_before_the_raise_and_can_replace_it() -> None:
 
             fastdist.set_timeout_handler(replace)
             with pytest.raises(KeyError, match="mine"):
-                fastdist.barrier(pg)
+                fastdist.barrier(_solo_group())
     finally:
         fastdist.set_timeout_handler(None)
     assert fastdist.get_timeout_handler() is None

@@ -157,7 +157,7 @@ def test_torch_future_completion_wakes_the_waiter(eng) -> None:
 
     fut: torch.futures.Future[int] = torch.futures.Future()
     t = eng.add(10.0)
-    fut.add_done_callback(t)
+    fut.add_done_callback(t.notifier())
     threading.Timer(0.02, lambda: fut.set_result(1)).start()
     assert t.wait(5) == COMPLETED and t.work_done
 

@@ -64,6 +64,10 @@ py::dict stats_to_dict(const EngineStats& s) {
 
 }  // namespace
 
+struct Notifier {
+  std::shared_ptr<Token> token;
+};
+
 void register_engine(py::module_& m) {
   m.attr("PENDING") = static_cast<int>(State::kPending);
   m.attr("COMPLETED") = static_cast<int>(State::kCompleted);
@@ -72,6 +76,14 @@ void register_engine(py::module_& m) {
 
   m.def("monotonic", [] { return nanos_to_seconds(steady_now()); },
         "Seconds on the steady clock that the default engine uses.");
+
+  py::class_<Notifier>(m, "Notifier")
+      .def("__call__", [](const Notifier& n, const py::handle&) {
+        // Wake the waiter with the GIL released: otherwise it wakes only to block on the GIL
+        // this backend thread still holds, a second context switch on the fast path.
+        py::gil_scoped_release nogil;
+        n.token->work_done();
+      });
 
   py::class_<Token, std::shared_ptr<Token>>(m, "Token")
       .def_property_readonly("state", [](const Token& t) { return static_cast<int>(t.state()); })
@@ -84,10 +96,10 @@ void register_engine(py::module_& m) {
            })
       .def("complete", &Token::complete)
       .def("cancel", &Token::cancel)
-      // A token is its own done-callback for torch's Future.add_done_callback: called with the
-      // future, which it ignores. (Passing the token itself, not a bound method, lets the exit
-      // hook see when torch has dropped the callback: the token's reference count falls.)
-      .def("__call__", [](Token& t, const py::handle&) { t.work_done(); })
+      // The done-callback to give torch's Future.add_done_callback for this token: a separate
+      // object that only torch holds, so that a weak reference to it tells when torch has let
+      // go of the callback (see fastdist._work's exit hook).
+      .def("notifier", [](const std::shared_ptr<Token>& t) { return Notifier{t}; })
       .def_property_readonly("work_done", &Token::is_work_done)
       .def("wait_work_done",
            [](Token& t, const py::object& timeout) {

@@ -8,6 +8,7 @@ Importing fastdist starts no thread: the deadline engine starts with the first d
 
 from __future__ import annotations
 
+from ._checks import checks_enabled, set_checks
 from ._groups import is_dead
 from ._timeouts import (
     DeadlineScope,
@@ -20,26 +21,83 @@ from ._timeouts import (
     set_default_timeout,
     set_timeout_handler,
 )
-from .collectives import all_gather, barrier
-from .errors import CollectiveTimeoutError, FastdistError, GroupAbortedError
+from .collectives import (
+    Work,
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    gather,
+    irecv,
+    isend,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+    wait,
+)
+from .errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    FastdistError,
+    GroupAbortedError,
+    RecoveryError,
+)
+from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
+from .recovery import get_rank, get_world_size, init_process_group, recover
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DeadlineScope",
     "FastdistError",
     "GroupAbortedError",
+    "RecoveryError",
     "RendezvousTimeout",
+    "Work",
     "__version__",
     "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
     "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "checks_enabled",
     "current_time",
     "fail_after",
     "fail_at",
+    "gather",
+    "gather_object",
     "get_default_timeout",
+    "get_rank",
     "get_timeout_handler",
+    "get_world_size",
+    "init_process_group",
+    "irecv",
     "is_dead",
+    "isend",
+    "recover",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "set_checks",
     "set_default_timeout",
     "set_timeout_handler",
+    "wait",
 ]

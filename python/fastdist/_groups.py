@@ -1,17 +1,20 @@
-"""Process groups as fastdist sees them: resolving ``group=``, naming groups, and the registry
-of groups that died.
+"""Process groups as fastdist sees them: resolving ``group=``, per-group state (name, sequence
+numbers, the store used for diagnostics), and the record of groups that died.
 
 A group whose collective timed out is dead: gloo closes its connections, and any later op on it
-fails or hangs. fastdist remembers it and refuses every later call on it at once with
-:class:`GroupAbortedError`. The registry also keeps the dead group alive on purpose: dropping the
-last reference to a gloo group whose op is still in flight blocks the dropping thread in its
-destructor until the op ends, and that must never be a user's thread in the middle of a call.
+fails or hangs. fastdist remembers that and refuses every later call on it at once with
+:class:`GroupAbortedError`. A dead group is also kept alive on purpose while its timed-out op is
+still in flight: dropping the last reference to a gloo group with an op in flight blocks the
+dropping thread in its destructor until the op ends, and that must never be a user's thread.
+Once the op has ended, :func:`release_finished` lets the group go, so threads and sockets do not
+pile up over many timeout/recover cycles.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -21,10 +24,61 @@ from .errors import GroupAbortedError
 
 logger = logging.getLogger(__name__)
 
+
+_OP_HISTORY = 64
+
+
+class GroupState:
+    """What fastdist tracks for one process group (held weakly: it dies with the group)."""
+
+    __slots__ = (
+        "ref", "name", "rank", "size", "global_ranks", "store", "seq", "_ops", "dead_reason",
+        "dead_error", "generation", "__weakref__",
+    )
+
+    def __init__(self, pg: Any) -> None:
+        self.ref = weakref.ref(pg)
+        self.name = name_of(pg)
+        self.rank: int = pg.rank()
+        self.size: int = pg.size()
+        self.global_ranks: Optional[list[int]] = _global_ranks(pg)
+        # The store that diagnostics, checks and recovery use: the default store, which every
+        # rank of every group shares. None for a hand-built backend outside any job.
+        self.store: Optional[Any] = _default_store() if self.global_ranks is not None else None
+        self.seq = 0
+        self._ops: list[str] = [""] * _OP_HISTORY  # op names by sequence number, a ring
+        self.dead_reason: Optional[str] = None
+        self.dead_error: Optional[BaseException] = None
+        self.generation = _generations.get(self.name, 0)
+
+    def begin(self, op: str) -> int:
+        """Numbers the next op on this group (1, 2, ...): the same on every rank in step."""
+        seq = self.seq = self.seq + 1
+        self._ops[seq % _OP_HISTORY] = op
+        return seq
+
+    def prev_op_of(self, seq: int) -> Optional[str]:
+        """``"op #n"`` for the op issued just before ``seq``: the last one that every rank
+        reached, when ``seq`` is the one that hung."""
+        prev = seq - 1
+        if prev < 1 or prev <= self.seq - _OP_HISTORY:
+            return None
+        return f"{self._ops[prev % _OP_HISTORY]} #{prev}"
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.global_ranks[group_rank] if self.global_ranks is not None else group_rank
+
+    @property
+    def my_global_rank(self) -> int:
+        return self.global_rank(self.rank)
+
+
 _lock = threading.Lock()
-# id(group) -> (group, reason). The group is held so that its id is not reused and its
-# destructor does not run while an op may still be in flight.
-_dead: dict[int, tuple[Any, str]] = {}
+_states: dict[int, GroupState] = {}
+# Dead groups held until their in-flight op ends: id -> (group, tokens of abandoned work).
+_held: dict[int, tuple[Any, list[Any]]] = {}
+# How many times each group name has been recovered in this process.
+_generations: dict[str, int] = {}
 
 
 def resolve(group: Any) -> Optional[Any]:
@@ -34,7 +88,7 @@ def resolve(group: Any) -> Optional[Any]:
         if not dist.is_initialized():
             raise RuntimeError(
                 "the default process group is not initialized: call "
-                "torch.distributed.init_process_group() first, or pass group="
+                "fastdist.init_process_group() (or torch.distributed.init_process_group()) first, or pass group="
             )
         return dist.distributed_c10d._get_default_group()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
@@ -45,29 +99,97 @@ def resolve(group: Any) -> Optional[Any]:
     return group
 
 
+def state_of(pg: Any) -> GroupState:
+    """The state of ``pg``, created on first use."""
+    st = _states.get(id(pg))
+    if st is not None and st.ref() is pg:
+        return st
+    with _lock:
+        st = GroupState(pg)
+        _states[id(pg)] = st
+        key = id(pg)
+        weakref.finalize(pg, _forget, key, weakref.ref(st))
+    return st
+
+
+def _forget(key: int, st_ref: Any) -> None:
+    with _lock:
+        if _states.get(key) is st_ref():
+            del _states[key]
+
+
 def name_of(pg: Any) -> str:
     """``"default"`` for the default group, else the group's torch name."""
     if dist.is_initialized() and pg is dist.distributed_c10d._get_default_group():
         return "default"
-    return str(getattr(pg, "group_name", None) or dist.distributed_c10d._world.pg_names.get(pg, "?"))
+    name = getattr(pg, "group_name", None)
+    if not name:
+        name = dist.distributed_c10d._world.pg_names.get(pg, None) if isinstance(pg, dist.ProcessGroup) else None
+    return str(name or f"backend-{id(pg):x}")
 
 
-def check_alive(pg: Any, op: str) -> None:
-    """Raises GroupAbortedError at once if ``pg`` died earlier."""
-    if _dead:
-        entry = _dead.get(id(pg))
-        if entry is not None:
-            raise GroupAbortedError(op=op, group=name_of(pg), rank=pg.rank(), reason=entry[1])
+def _global_ranks(pg: Any) -> Optional[list[int]]:
+    if not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
+        return None
+    try:
+        return list(dist.get_process_group_ranks(pg))
+    except (RuntimeError, ValueError, KeyError):
+        return None
 
 
-def mark_dead(pg: Any, reason: str) -> None:
+def _default_store() -> Optional[Any]:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def check_alive(st: GroupState, op: str) -> None:
+    """Raises GroupAbortedError at once if the group died earlier."""
+    if st.dead_reason is not None:
+        raise GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=st.dead_reason)
+
+
+def mark_dead(pg: Any, reason: str, abandoned: Optional[Any] = None, error: Optional[BaseException] = None) -> None:
+    """Records that ``pg`` is aborted. ``abandoned``: the token of its op still in flight, whose
+    end releases the group (see :func:`release_finished`)."""
+    st = state_of(pg)
     with _lock:
-        if id(pg) not in _dead:
-            _dead[id(pg)] = (pg, reason)
-            logger.warning("rank %d: group %r is aborted: %s", pg.rank(), name_of(pg), reason)
+        first = st.dead_reason is None
+        if first:
+            st.dead_reason = reason
+            st.dead_error = error
+        if abandoned is not None:
+            entry = _held.setdefault(id(pg), (pg, []))
+            entry[1].append(abandoned)
+    if first:
+        logger.warning("rank %d: group %r is aborted: %s", st.my_global_rank, st.name, reason)
+
+
+def hold(pg: Any) -> None:
+    """Keeps ``pg`` alive until its abandoned ops (if any) have ended; see release_finished."""
+    with _lock:
+        _held.setdefault(id(pg), (pg, []))
+
+
+def release_finished() -> int:
+    """Drops fastdist's references to dead groups whose in-flight ops have all ended, so their
+    destructors (run here, quickly: the backend's threads are idle) free threads and sockets.
+    Returns how many are still held."""
+    with _lock:
+        done = [key for key, (_pg, tokens) in _held.items() if all(t.work_done for t in tokens)]
+        released = [_held.pop(key) for key in done]
+    del released  # destructors run here, outside the lock
+    return len(_held)
 
 
 def is_dead(group: Any = None) -> bool:
     """Whether fastdist considers ``group`` (default: the default group) aborted."""
     pg = resolve(group)
-    return pg is not None and id(pg) in _dead
+    return pg is not None and state_of(pg).dead_reason is not None
+
+
+def next_generation(name: str) -> int:
+    with _lock:
+        _generations[name] = _generations.get(name, 0) + 1
+        return _generations[name]

@@ -5,23 +5,45 @@ and either returns what torch returns or raises :class:`CollectiveTimeoutError` 
 The deadline is enforced twice: by fastdist's engine, which wakes the caller at the deadline,
 and by the backend's own per-call timeout (set a little later), which frees gloo's worker thread
 so that the dead group never holds a thread or blocks process exit for long.
+
+With ``async_op=True`` a wrapper returns a :class:`Work` handle; its deadline was fixed when the
+op was issued, and it is watched even if nobody waits on it.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+import threading
+import time
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
-from torch.distributed.distributed_c10d import AllgatherOptions, BarrierOptions
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOp,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
 
-from . import _groups
-from ._timeouts import TimeoutLike, current_time, effective_deadline, run_timeout_handler
-from ._work import wait_until
+from . import _checks, _groups, diagnostics
+from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline, run_timeout_handler
+from ._work import COMPLETED, EXPIRED, PENDING, abandon, exit_process, wait_until, watch
 from .errors import CollectiveTimeoutError, GroupAbortedError
 
-__all__ = ["barrier", "all_gather"]
+__all__ = [
+    "Work", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single",
+    "barrier", "batch_isend_irecv", "broadcast", "gather", "irecv", "isend", "recv", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "wait",
+]
 
 # What gloo says when its own per-call timeout fires, and when a peer closed the group.
 _BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
@@ -41,92 +63,294 @@ def backend_grace(budget: float) -> float:
 
 
 # Options objects are copied by the backend when an op is issued, so one object per distinct
-# backend timeout can be shared by every call. Timeouts are rounded up to 10 ms so that calls
-# with the same timeout= share one; the cache is bounded.
+# (kind, backend timeout, fields) can be shared by every call. Timeouts are rounded up to 10 ms so
+# that calls with the same timeout= share one; the cache is bounded.
 _OPTIONS_STEP_MS = 10
-_options_cache: dict[tuple[type, int], Any] = {}
+_options_cache: dict[tuple[Any, ...], Any] = {}
 
 
-def _options(kind: type, deadline: float, now: float) -> Any:
+def _options(kind: type, deadline: float, now: float, **fields: Any) -> Any:
     """A ``kind`` (e.g. ``AllgatherOptions``) whose timeout makes the backend give up
     ``backend_grace`` after ``deadline``; for no deadline, the group's own default applies."""
     if deadline == math.inf:
-        key = -1
+        ms = -1
     else:
         budget = max(0.0, deadline - now)
-        key = math.ceil((budget + backend_grace(budget)) * 1000 / _OPTIONS_STEP_MS)
-    opts = _options_cache.get((kind, key))
+        ms = math.ceil((budget + backend_grace(budget)) * 1000 / _OPTIONS_STEP_MS) * _OPTIONS_STEP_MS
+    key = (kind, ms, *fields.items()) if fields else (kind, ms)
+    try:
+        opts = _options_cache.get(key)
+    except TypeError:  # an unhashable field (e.g. a premul-sum ReduceOp): no caching
+        key, opts = None, None
     if opts is None:
         opts = kind()
-        if key >= 0:
-            opts.timeout = datetime.timedelta(milliseconds=key * _OPTIONS_STEP_MS)
-        if len(_options_cache) < 1024:
-            _options_cache[(kind, key)] = opts
+        if ms >= 0:
+            opts.timeout = datetime.timedelta(milliseconds=ms)
+        for name, value in fields.items():
+            setattr(opts, name, value)
+        if key is not None and len(_options_cache) < 1024:
+            _options_cache[key] = opts
     return opts
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def _report_error(st: Any, op: str, seq: int, start: float, deadline: float, state: str, cause: Optional[str] = None) -> CollectiveTimeoutError:
+    budget = deadline - start
+    rep = diagnostics.report(st, op, seq, state, budget)
+    prev = st.prev_op_of(seq)
+    return CollectiveTimeoutError(
+        op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name, timeout=budget,
+        elapsed=current_time() - start, missing_ranks=None if rep is None else rep.missing,
+        desynced=None if rep is None else rep.desynced, last_seen=prev, cause=cause,
+    )
+
+
+def _timed_out(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, token: Any = None, cause: Optional[str] = None) -> CollectiveTimeoutError:
+    """Marks the group dead and builds the report for a collective whose deadline passed."""
+    _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}", abandoned=token)
+    err = _report_error(st, op, seq, start, deadline, "timed_out", cause)
+    st.dead_error = err
+    return err
+
+
+def _backend_failed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, exc: RuntimeError) -> BaseException:
+    """The error to raise for a backend failure, or ``exc`` itself if it is not about the group."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if any(m in text for m in _BACKEND_TIMEOUT_MARKERS):
+        # The backend's timeout beat the engine (possible on a loaded machine): same outcome.
+        return _timed_out(pg, st, op, seq, start, deadline, cause=text)
+    if not any(m in text for m in _PEER_CLOSED_MARKERS):
+        return exc
+    # A peer closed the group: it timed out first (then this is a timeout too, unless this rank
+    # only arrived after that: a straggler), or it died.
+    _groups.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
+    rep = diagnostics.report(st, op, seq, "aborted", deadline - start)
+    started_wall = time.time() - (current_time() - start)
+    if rep is not None and rep.timed_out and rep.first_timeout_wall is not None and rep.first_timeout_wall > started_wall:
+        cause = f"rank {min(rep.timed_out)} timed out first and closed the group"
+        err: BaseException = CollectiveTimeoutError(
+            op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name, timeout=deadline - start,
+            elapsed=current_time() - start, missing_ranks=rep.missing, desynced=rep.desynced,
+            last_seen=st.prev_op_of(seq), cause=cause,
+        )
+    else:
+        if rep is not None and rep.timed_out:
+            why = f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
+        elif rep is not None and rep.missing:
+            many = len(rep.missing) > 1
+            why = f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or {'were' if many else 'was'} killed"
+        else:
+            why = "a peer exited or was killed"
+        reason = f"{why}; {op} #{seq} failed: {text}"
+        st.dead_reason = reason
+        err = GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+    st.dead_error = err
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# Issuing and waiting
 
 
 def _run(
     op: str,
-    pg: Any,
+    group: Any,
     start: float,
     deadline: float,
-    issue: Callable[[Any], Any],
-    options: type,
-) -> bool:
-    """Issues one collective through ``issue(options)`` and waits for it until
-    ``deadline``. Returns True on success; on timeout marks the group dead, runs the timeout
-    handler and raises (the caller turns that into ``False`` when asked to)."""
+    issue: Callable[[Any, Any], Any],
+    kind: Optional[type],
+    signature: Callable[[], str],
+    async_op: bool = False,
+    fields: Optional[dict[str, Any]] = None,
+) -> Any:
+    """Issues one op through ``issue(pg, options)`` and waits for it until ``deadline`` (or
+    returns a :class:`Work` for ``async_op``). Returns what ``issue``'s work produced, or None
+    for a process that is not in the group."""
+    pg = _groups.resolve(group)
+    if pg is None:
+        return None
+    st = _groups.state_of(pg)
+    _groups.check_alive(st, op)
+    seq = st.begin(op)
+    if _checks._enabled and not _checks.verify(st, op, seq, f"{op}({signature()})", deadline):
+        err = _timed_out(pg, st, op, seq, start, deadline, cause="while comparing signatures (FASTDIST_CHECK)")
+        run_timeout_handler(err)
+        raise err
     now = current_time()
     if now >= deadline:
-        # Nothing was issued, so the group is still consistent here: do not mark it dead.
-        _raise_timeout(op, pg, start, deadline, now, cause="the deadline had passed before the call")
-    work = issue(_options(options, deadline, now))
+        # This rank skips the collective its peers will make, so the group is out of step.
+        err = _timed_out(pg, st, op, seq, start, deadline, cause="the deadline had passed before the call")
+        run_timeout_handler(err)
+        raise err
+    opts = None if kind is None else (_options(kind, deadline, now, **fields) if fields else _options(kind, deadline, now))
+    work = issue(pg, opts)
+    if async_op:
+        return Work(op, pg, st, seq, work, start, deadline)
     try:
-        finished = wait_until(work, deadline)
+        finished, token = wait_until(work, deadline)
     except BaseException:
         # Interrupted (Ctrl-C): the op is still in flight and this rank no longer in step.
-        _groups.mark_dead(pg, f"{op} was interrupted on rank {pg.rank()}")
+        _groups.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
         raise
     if finished:
         try:
             work.wait()
-            return True
         except RuntimeError as exc:
-            _raise_backend_error(op, pg, start, deadline, exc)
-    _groups.mark_dead(pg, f"{op} timed out on rank {pg.rank()}")
-    _raise_timeout(op, pg, start, deadline, current_time())
-    raise AssertionError("unreachable")
+            err2 = _backend_failed(pg, st, op, seq, start, deadline, exc)
+            if isinstance(err2, CollectiveTimeoutError):
+                run_timeout_handler(err2)
+            raise err2 from (exc if err2 is not exc else None)
+        return work
+    err = _timed_out(pg, st, op, seq, start, deadline, token=token)
+    run_timeout_handler(err)
+    raise err
 
 
-def _raise_timeout(op: str, pg: Any, start: float, deadline: float, now: float, cause: Optional[str] = None) -> None:
-    error = CollectiveTimeoutError(
-        op=op,
-        rank=pg.rank(),
-        world_size=pg.size(),
-        group=_groups.name_of(pg),
-        timeout=deadline - start,
-        elapsed=now - start,
-        missing_ranks=None,
-        cause=cause,
-    )
-    run_timeout_handler(error)
-    raise error
+class Work:
+    """fastdist's handle for an op issued with ``async_op=True``.
 
+    Its deadline was fixed when the op was issued. ``wait()`` returns True once the op is done,
+    or raises :class:`CollectiveTimeoutError` at that deadline; ``wait(timeout)`` waits at most
+    ``timeout`` more seconds and raises a plain :class:`TimeoutError` if that ends first (the op
+    is then still in flight and still watched). A handle nobody waits on still times out: the
+    group is marked dead and the timeout handler runs, on fastdist's own thread (a ``sys.exit``
+    there ends the process with that code).
+    """
 
-def _raise_backend_error(op: str, pg: Any, start: float, deadline: float, exc: RuntimeError) -> None:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if any(m in text for m in _BACKEND_TIMEOUT_MARKERS):
-        # The backend's timeout beat the engine (possible on a loaded machine): same outcome.
-        _groups.mark_dead(pg, f"{op} timed out on rank {pg.rank()}")
+    def __init__(self, op: str, pg: Any, st: Any, seq: int, work: Any, start: float, deadline: float) -> None:
+        self.op = op
+        self._pg = pg
+        self._st = st
+        self._seq = seq
+        self._work = work
+        self._start = start
+        self._deadline = deadline
+        self._error: Optional[BaseException] = None
+        self._reported = threading.Event()
+        self._token, callback = watch(work, deadline, self._on_expire)
+        self._has_future = callback is not None
+        self._callback_ref = None if callback is None else weakref.ref(callback)
+        del callback  # only torch may hold it (see _work.abandon)
+
+    @property
+    def deadline(self) -> float:
+        """The op's absolute deadline on :func:`fastdist.current_time`'s clock."""
+        return self._deadline
+
+    def _on_expire(self) -> None:
+        # Runs on the engine's executor thread at the deadline.
+        if not self._has_future and self._work.is_completed():
+            self._reported.set()  # finished; only nobody was told (gloo send/recv have no future)
+            return
         try:
-            _raise_timeout(op, pg, start, deadline, current_time(), cause=text)
-        except CollectiveTimeoutError as error:
-            raise error from exc
-    if any(m in text for m in _PEER_CLOSED_MARKERS):
-        reason = f"a peer closed its connection during {op} (it timed out or exited): {text}"
-        _groups.mark_dead(pg, reason)
-        raise GroupAbortedError(op=op, group=_groups.name_of(pg), rank=pg.rank(), reason=reason) from exc
-    raise exc
+            self._error = _timed_out(self._pg, self._st, self.op, self._seq, self._start, self._deadline, token=self._token)
+            abandon(self._token, self._callback_ref)
+        finally:
+            self._reported.set()
+        try:
+            run_timeout_handler(self._error)
+        except SystemExit as e:
+            exit_process(e.code)
+        except BaseException:
+            pass  # the error is raised from wait(); the handler's own failure has nowhere to go
+
+    def is_completed(self) -> bool:
+        """True once the op finished (successfully or not) or its deadline passed."""
+        state = self._token.state
+        if state == EXPIRED:
+            return self._reported.is_set()
+        return state == COMPLETED or bool(self._work.is_completed())
+
+    def exception(self) -> Optional[BaseException]:
+        """The error the op ended with (a timeout included), or None."""
+        if self._token.state == EXPIRED:
+            self._reported.wait()
+            return self._error
+        if self._work.is_completed():
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                return self._failure(exc)
+        return None
+
+    def _failure(self, exc: RuntimeError) -> BaseException:
+        if self._error is None:
+            self._error = _backend_failed(self._pg, self._st, self.op, self._seq, self._start, self._deadline, exc)
+        return self._error
+
+    def wait(self, timeout: TimeoutLike = None) -> bool:
+        now = current_time()
+        limit = self._deadline if timeout is None else min(self._deadline, effective_deadline(timeout, now))
+        if self._has_future:
+            state = self._token.wait(max(0.0, limit - now))
+        else:
+            state = self._wait_p2p(limit)
+        if state == COMPLETED:
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise self._failure(exc) from exc
+            return True
+        if state == EXPIRED:
+            self._reported.wait()
+            if self._error is None:
+                return True  # p2p work that had finished unnoticed
+            raise self._error
+        raise TimeoutError(
+            f"wait() on {self.op} #{self._seq} gave up after {limit - now:.3g} s; the op is still in flight "
+            f"and its deadline is in {max(0.0, self._deadline - current_time()):.3g} s"
+        )
+
+    def _wait_p2p(self, limit: float) -> int:
+        left = limit - current_time()
+        try:
+            if left > 0:
+                self._work.wait(datetime.timedelta(seconds=min(left, 1e9)))
+                self._token.complete()
+        except RuntimeError as exc:
+            if not any(m in str(exc) for m in _BACKEND_TIMEOUT_MARKERS):
+                raise self._failure(exc) from exc
+        if self._work.is_completed() and self._token.state == PENDING:
+            self._token.complete()
+        state = self._token.state
+        if state == PENDING and current_time() >= self._deadline:
+            return self._token.wait()  # the expiry is due: let it run
+        return state
+
+    def __repr__(self) -> str:
+        left = self._deadline - current_time()
+        state = {COMPLETED: "completed", EXPIRED: "timed out", PENDING: "pending"}.get(self._token.state, "cancelled")
+        return f"<fastdist.Work {self.op} #{self._seq} {state}, deadline in {left:.3f} s>"
+
+
+def wait(work: Any, timeout: TimeoutLike = None) -> Any:
+    """Bounds any torch ``Work`` or ``torch.futures.Future`` (or a fastdist :class:`Work`) by a
+    deadline: returns the future's value (``True`` for a ``Work``), or raises
+    :class:`CollectiveTimeoutError` with ``op="wait"``. The group of a raw torch ``Work`` is
+    unknown, so it is not marked dead."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    if isinstance(work, Work):
+        return work.wait(DeadlineScope(deadline))
+    if not (hasattr(work, "wait") and (hasattr(work, "get_future") or hasattr(work, "add_done_callback"))):
+        raise TypeError(f"work must be a torch Work or torch.futures.Future, got {type(work).__name__}")
+    finished, _token = wait_until(work, deadline)
+    if finished:
+        return work.wait()  # a Work: True; a Future: its value (or its error, raised)
+    err = CollectiveTimeoutError(
+        op="wait", seq=None, rank=dist.get_rank() if dist.is_initialized() else -1,
+        world_size=dist.get_world_size() if dist.is_initialized() else -1, group="?", timeout=deadline - start,
+        elapsed=current_time() - start, missing_ranks=None, desynced=None, last_seen=None, cause=None,
+    )
+    run_timeout_handler(err)
+    raise err
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
 
 
 def _check_bool(value: object, name: str) -> None:
@@ -144,7 +368,40 @@ def _check_tensor_list(value: object, name: str) -> None:
         raise TypeError(f"{name} must be a list of torch.Tensor, got {type(value).__name__}")
 
 
+def _check_rank(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int rank, got {value!r}")
+
+
+def _sig(*tensors: Any) -> str:
+    parts = []
+    for t in tensors:
+        if isinstance(t, list):
+            parts.append("[" + ", ".join(_sig(x) for x in t) + "]")
+        elif isinstance(t, torch.Tensor):
+            parts.append(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}")
+        else:
+            parts.append(repr(t))
+    return ", ".join(parts)
+
+
+def _group_rank(pg: Any, global_rank: int, name: str) -> int:
+    if not isinstance(pg, dist.ProcessGroup) or pg is dist.distributed_c10d._get_default_group():
+        if global_rank >= pg.size():
+            raise ValueError(f"{name}={global_rank} is not a rank of the group (size {pg.size()})")
+        return global_rank
+    try:
+        return dist.get_group_rank(pg, global_rank)
+    except (ValueError, RuntimeError):
+        raise ValueError(f"{name}={global_rank} is not a rank of the group") from None
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 # ---------------------------------------------------------------------------------------------
+# The collectives
 
 
 def barrier(group: Any = None, *, timeout: TimeoutLike = None, raise_on_timeout: bool = True) -> bool:
@@ -163,26 +420,20 @@ def barrier(group: Any = None, *, timeout: TimeoutLike = None, raise_on_timeout:
     start = current_time()
     deadline = effective_deadline(timeout, start)
     _check_bool(raise_on_timeout, "raise_on_timeout")
-    pg = _groups.resolve(group)
-    if pg is None:
-        return True
-    _groups.check_alive(pg, "barrier")
-
-    if raise_on_timeout:
-        return _run("barrier", pg, start, deadline, pg.barrier, BarrierOptions)
     try:
-        return _run("barrier", pg, start, deadline, pg.barrier, BarrierOptions)
+        _run("barrier", group, start, deadline, _issue_barrier, BarrierOptions, str)
     except CollectiveTimeoutError:
+        if raise_on_timeout:
+            raise
         return False
+    return True
 
 
-def all_gather(
-    tensor_list: list[torch.Tensor],
-    tensor: torch.Tensor,
-    group: Any = None,
-    *,
-    timeout: TimeoutLike = None,
-) -> None:
+def _issue_barrier(pg: Any, opts: Any) -> Any:
+    return pg.barrier(opts)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
     """``torch.distributed.all_gather`` with a deadline: fills ``tensor_list`` (one tensor per
     rank, in rank order) with every rank's ``tensor``, or raises
     :class:`CollectiveTimeoutError` at the deadline.
@@ -194,14 +445,7 @@ def all_gather(
     deadline = effective_deadline(timeout, start)
     _check_tensor_list(tensor_list, "tensor_list")
     _check_tensor(tensor, "tensor")
-    pg = _groups.resolve(group)
-    if pg is None:
-        return None
-    _groups.check_alive(pg, "all_gather")
-    if len(tensor_list) != pg.size():
-        raise ValueError(
-            f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got {len(tensor_list)}"
-        )
+    _check_bool(async_op, "async_op")
     dtype = tensor.dtype
     for t in tensor_list:
         if t.dtype != dtype:
@@ -210,8 +454,257 @@ def all_gather(
         tensor = torch.view_as_real(tensor)
         tensor_list = [torch.view_as_real(t) for t in tensor_list]
 
-    def issue(opts: Any) -> Any:
+    def issue(pg: Any, opts: Any) -> Any:
+        if len(tensor_list) != pg.size():
+            raise ValueError(f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got {len(tensor_list)}")
         return pg.allgather([tensor_list], [tensor], opts)
 
-    _run("all_gather", pg, start, deadline, issue, AllgatherOptions)
+    return _result(_run("all_gather", group, start, deadline, issue, AllgatherOptions, lambda: _sig(tensor, tensor_list), async_op), async_op)
+
+
+def _result(work: Any, async_op: bool) -> Optional[Work]:
+    return work if async_op else None
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.all_reduce`` with a deadline."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(tensor, "tensor")
+    _check_bool(async_op, "async_op")
+    t = _real(tensor)
+
+    def issue(pg: Any, opts: Any) -> Any:
+        return pg.allreduce([t], opts)
+
+    return _result(_run("all_reduce", group, start, deadline, issue, AllreduceOptions, lambda: f"{_sig(tensor)}, {op}", async_op, {"reduceOp": op}), async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.reduce`` with a deadline (``dst`` is a global rank)."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(tensor, "tensor")
+    _check_rank(dst, "dst")
+    _check_bool(async_op, "async_op")
+    t = _real(tensor)
+
+    def issue(pg: Any, opts: Any) -> Any:
+        opts = _options(ReduceOptions, deadline, current_time(), reduceOp=op, rootRank=_group_rank(pg, dst, "dst"), rootTensor=0)
+        return pg.reduce([t], opts)
+
+    return _result(_run("reduce", group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, dst={dst}, {op}", async_op), async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.broadcast`` with a deadline (``src`` is a global rank)."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(tensor, "tensor")
+    _check_rank(src, "src")
+    _check_bool(async_op, "async_op")
+    t = _real(tensor)
+
+    def issue(pg: Any, opts: Any) -> Any:
+        opts = _options(BroadcastOptions, deadline, current_time(), rootRank=_group_rank(pg, src, "src"), rootTensor=0)
+        return pg.broadcast([t], opts)
+
+    return _result(_run("broadcast", group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, src={src}", async_op), async_op)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.all_gather_into_tensor`` with a deadline."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(output_tensor, "output_tensor")
+    _check_tensor(input_tensor, "input_tensor")
+    _check_bool(async_op, "async_op")
+    out, inp = _real(output_tensor), _real(input_tensor)
+
+    def issue(pg: Any, opts: Any) -> Any:
+        return pg._allgather_base(out, inp, opts)
+
+    return _result(_run("all_gather_into_tensor", group, start, deadline, issue, AllgatherOptions, lambda: _sig(output_tensor, input_tensor), async_op), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.reduce_scatter`` with a deadline."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(output, "output")
+    _check_tensor_list(input_list, "input_list")
+    _check_bool(async_op, "async_op")
+
+    def issue(pg: Any, opts: Any) -> Any:
+        return pg.reduce_scatter([output], [input_list], opts)
+
+    return _result(_run("reduce_scatter", group, start, deadline, issue, ReduceScatterOptions, lambda: f"{_sig(output, input_list)}, {op}", async_op, {"reduceOp": op}), async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.reduce_scatter_tensor`` with a deadline."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(output, "output")
+    _check_tensor(input, "input")
+    _check_bool(async_op, "async_op")
+
+    def issue(pg: Any, opts: Any) -> Any:
+        return pg._reduce_scatter_base(output, input, opts)
+
+    return _result(_run("reduce_scatter_tensor", group, start, deadline, issue, ReduceScatterOptions, lambda: f"{_sig(output, input)}, {op}", async_op, {"reduceOp": op}), async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]] = None, dst: int = 0, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.gather`` with a deadline (``dst`` is a global rank; ``gather_list``
+    only on ``dst``)."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(tensor, "tensor")
+    _check_rank(dst, "dst")
+    if gather_list is not None:
+        _check_tensor_list(gather_list, "gather_list")
+    _check_bool(async_op, "async_op")
+
+    def issue(pg: Any, opts: Any) -> Any:
+        root = _group_rank(pg, dst, "dst")
+        opts = _options(GatherOptions, deadline, current_time(), rootRank=root)
+        if pg.rank() == root:
+            if gather_list is None or len(gather_list) != pg.size():
+                raise ValueError(f"gather_list must hold one tensor per rank of the group ({pg.size()}) on dst")
+            return pg.gather([gather_list], [tensor], opts)
+        return pg.gather([], [tensor], opts)
+
+    return _result(_run("gather", group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, dst={dst}", async_op), async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]] = None, src: int = 0, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.scatter`` with a deadline (``src`` is a global rank;
+    ``scatter_list`` only on ``src``)."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(tensor, "tensor")
+    _check_rank(src, "src")
+    if scatter_list is not None:
+        _check_tensor_list(scatter_list, "scatter_list")
+    _check_bool(async_op, "async_op")
+
+    def issue(pg: Any, opts: Any) -> Any:
+        root = _group_rank(pg, src, "src")
+        opts = _options(ScatterOptions, deadline, current_time(), rootRank=root)
+        if pg.rank() == root:
+            if scatter_list is None or len(scatter_list) != pg.size():
+                raise ValueError(f"scatter_list must hold one tensor per rank of the group ({pg.size()}) on src")
+            return pg.scatter([tensor], [scatter_list], opts)
+        return pg.scatter([tensor], [], opts)
+
+    return _result(_run("scatter", group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, src={src}", async_op), async_op)
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.all_to_all`` with a deadline."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor_list(output_tensor_list, "output_tensor_list")
+    _check_tensor_list(input_tensor_list, "input_tensor_list")
+    _check_bool(async_op, "async_op")
+
+    def issue(pg: Any, opts: Any) -> Any:
+        return pg.alltoall(output_tensor_list, input_tensor_list, opts)
+
+    return _result(_run("all_to_all", group, start, deadline, issue, AllToAllOptions, lambda: _sig(output_tensor_list, input_tensor_list), async_op), async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[list[int]] = None, input_split_sizes: Optional[list[int]] = None, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+    """``torch.distributed.all_to_all_single`` with a deadline."""
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(output, "output")
+    _check_tensor(input, "input")
+    _check_bool(async_op, "async_op")
+    out_splits = list(output_split_sizes or [])
+    in_splits = list(input_split_sizes or [])
+
+    def issue(pg: Any, opts: Any) -> Any:
+        return pg.alltoall_base(_real(output), _real(input), out_splits, in_splits, opts)
+
+    return _result(_run("all_to_all_single", group, start, deadline, issue, AllToAllOptions, lambda: f"{_sig(output, input)}, {out_splits}, {in_splits}", async_op), async_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# Point to point. gloo's send/recv take no per-call timeout and have no future: they are waited
+# on with torch's own bounded wait, and a timed-out one leaves the group dead.
+
+
+def _p2p(op: str, tensor: torch.Tensor, peer: Optional[int], group: Any, tag: int, timeout: TimeoutLike, async_op: bool) -> Any:
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    _check_tensor(tensor, "tensor")
+    name = "dst" if op in ("send", "isend") else "src"
+    if peer is not None:
+        _check_rank(peer, name)
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}: {tag!r}")
+    t = _real(tensor)
+    sender: list[Any] = []
+
+    def issue(pg: Any, _opts: Any) -> Any:
+        if op in ("send", "isend"):
+            return pg.send([t], _group_rank(pg, peer, name), tag)
+        if peer is None:
+            w = pg.recv_anysource([t], tag)
+            sender.append(w)
+            return w
+        return pg.recv([t], _group_rank(pg, peer, name), tag)
+
+    work = _run(op, group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, {name}={peer}, tag={tag}", async_op)
+    if async_op or work is None:
+        return work
+    if op == "recv":
+        if sender:
+            pg = _groups.resolve(group)
+            src_group_rank = sender[0]._source_rank()
+            st = _groups.state_of(pg)
+            return st.global_rank(src_group_rank)
+        return peer
     return None
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None) -> None:
+    """``torch.distributed.send`` with a deadline."""
+    _p2p("send", tensor, dst, group, tag, timeout, False)
+
+
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None) -> int:
+    """``torch.distributed.recv`` with a deadline; returns the sender's rank."""
+    return int(_p2p("recv", tensor, src, group, tag, timeout, False))
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None) -> Work:
+    """``torch.distributed.isend`` with a deadline; returns a :class:`Work`."""
+    return _p2p("isend", tensor, dst, group, tag, timeout, True)  # type: ignore[no-any-return]
+
+
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None) -> Work:
+    """``torch.distributed.irecv`` with a deadline; returns a :class:`Work`."""
+    return _p2p("irecv", tensor, src, group, tag, timeout, True)  # type: ignore[no-any-return]
+
+
+def batch_isend_irecv(p2p_op_list: list[Any], *, timeout: TimeoutLike = None) -> list[Work]:
+    """``torch.distributed.batch_isend_irecv`` with one deadline for the whole batch: takes
+    ``torch.distributed.P2POp`` objects (whose ``op`` is ``isend``/``irecv`` from torch or
+    fastdist) and returns one :class:`Work` per op."""
+    if not isinstance(p2p_op_list, list) or not all(isinstance(p, dist.P2POp) for p in p2p_op_list):
+        raise TypeError("p2p_op_list must be a list of torch.distributed.P2POp")
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    scope = DeadlineScope(deadline)
+    works = []
+    for p in p2p_op_list:
+        fn = getattr(p.op, "__name__", "")
+        if fn not in ("isend", "irecv"):
+            raise ValueError(f"P2POp.op must be isend or irecv, got {p.op!r}")
+        peer = getattr(p, "group_peer", None) if getattr(p, "peer", None) is None else p.peer
+        works.append(_p2p(fn, p.tensor, peer, p.group, p.tag, scope, True))
+    return works
+

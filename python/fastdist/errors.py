@@ -12,7 +12,9 @@ from typing import Any, ClassVar, Optional, Sequence
 __all__ = [
     "FastdistError",
     "CollectiveTimeoutError",
+    "CollectiveMismatchError",
     "GroupAbortedError",
+    "RecoveryError",
 ]
 
 
@@ -67,33 +69,90 @@ class FastdistError(Exception):
 class CollectiveTimeoutError(FastdistError, TimeoutError):
     """A collective did not finish before its deadline.
 
-    Fields: ``op`` (e.g. ``"barrier"``), ``rank`` and ``world_size`` (within ``group``),
-    ``group`` (its name, ``"default"`` for the default group), ``timeout`` (the budget in
-    seconds the call had), ``elapsed`` (seconds it waited), ``missing_ranks`` (the ranks that
-    never arrived, when known, else ``None``) and ``cause`` (what the backend said, if the
-    backend noticed first).
+    Fields: ``op`` (e.g. ``"all_reduce"``), ``seq`` (its sequence number on the group: the
+    n-th fastdist collective on it), ``rank`` (this process's global rank), ``world_size`` (the
+    group's size), ``group`` (its name, ``"default"`` for the default group), ``timeout`` (the
+    budget in seconds the call had), ``elapsed`` (seconds it waited), ``missing_ranks`` (global
+    ranks that never reached this collective; ``None`` when no report could be made),
+    ``desynced`` (global rank -> what it is doing instead, e.g. ``"barrier #57"``, for ranks that
+    are alive but in another collective), ``last_seen`` (the collective every rank last completed
+    together) and ``cause`` (what the backend said, if the backend noticed first).
     """
 
-    _fields = ("op", "rank", "world_size", "group", "timeout", "elapsed", "missing_ranks", "cause")
+    _fields = (
+        "op", "seq", "rank", "world_size", "group", "timeout", "elapsed", "missing_ranks",
+        "desynced", "last_seen", "cause",
+    )
 
     op: str
+    seq: Optional[int]
     rank: int
     world_size: int
     group: str
     timeout: float
     elapsed: float
     missing_ranks: Optional[list[int]]
+    desynced: Optional[dict[int, str]]
+    last_seen: Optional[str]
     cause: Optional[str]
 
     def _message(self) -> str:
-        text = (
-            f"{self.op} on group {self.group!r} timed out after {_fmt_seconds(self.timeout)} "
-            f"on rank {self.rank} of {self.world_size} (waited {_fmt_seconds(self.elapsed)})"
-        )
+        what = self.op if self.seq is None else f"{self.op} #{self.seq}"
+        text = f"{what} on group {self.group!r} timed out after {_fmt_seconds(self.timeout)} on rank {self.rank}"
+        parts = []
         if self.missing_ranks:
-            text += f": {_fmt_ranks(self.missing_ranks)} never arrived"
+            seen = f" (last seen in {self.last_seen})" if self.last_seen else ""
+            parts.append(f"{_fmt_ranks(self.missing_ranks)} never arrived{seen}")
+        for r, doing in sorted((self.desynced or {}).items()):
+            parts.append(f"rank {r} is in {doing}")
+        if self.missing_ranks is not None and not parts:
+            parts.append("every rank arrived, but the collective did not finish in time")
+        if parts:
+            text += ": " + "; ".join(parts)
         if self.cause:
             text += f" [{self.cause}]"
+        return text
+
+
+class CollectiveMismatchError(FastdistError, ValueError):
+    """With checks on (``FASTDIST_CHECK=1`` or :func:`fastdist.set_checks`), ranks called
+    different collectives, or the same one with different dtypes or shapes.
+
+    Fields: ``op``, ``seq``, ``group``, ``rank``, ``expected`` (the signature most ranks used),
+    ``differing`` (global rank -> its signature, for each rank that differs). Every rank raises
+    the same error; nothing was sent, and the group stays usable.
+    """
+
+    _fields = ("op", "seq", "group", "rank", "expected", "differing")
+
+    op: str
+    seq: int
+    group: str
+    rank: int
+    expected: str
+    differing: dict[int, str]
+
+    def _message(self) -> str:
+        diffs = "; ".join(f"rank {r} called {sig}" for r, sig in sorted(self.differing.items()))
+        return f"{self.op} #{self.seq} on group {self.group!r} does not match across ranks: expected {self.expected}; {diffs}"
+
+
+class RecoveryError(FastdistError):
+    """:func:`fastdist.recover` could not rebuild the group. Fields: ``group``, ``rank``,
+    ``generation`` (the one being built), ``reason``, ``missing_ranks``."""
+
+    _fields = ("group", "rank", "generation", "reason", "missing_ranks")
+
+    group: str
+    rank: int
+    generation: int
+    reason: str
+    missing_ranks: Optional[list[int]]
+
+    def _message(self) -> str:
+        text = f"recovering group {self.group!r} (generation {self.generation}) failed on rank {self.rank}: {self.reason}"
+        if self.missing_ranks:
+            text += f" ({_fmt_ranks(self.missing_ranks)} did not turn up)"
         return text
 
 
@@ -102,9 +161,10 @@ class GroupAbortedError(FastdistError):
 
     Raised at once by any fastdist call on a group after a collective on it timed out (gloo
     closes the group's connections then, and every later op would fail or hang), or when the
-    backend reported that a peer closed the group mid-collective. Fields: ``op`` (the call that
-    was refused or failed), ``group``, ``rank`` and ``reason`` (what killed the group: the
-    original timeout's message, or the backend's words).
+    backend reported that a peer closed the group mid-collective (it exited or was killed).
+    Fields: ``op`` (the call that was refused or failed), ``group``, ``rank`` and ``reason``
+    (what killed the group: the original timeout's message, or the backend's words). Every live
+    rank can then call :func:`fastdist.recover`.
     """
 
     _fields = ("op", "group", "rank", "reason")
@@ -117,5 +177,5 @@ class GroupAbortedError(FastdistError):
     def _message(self) -> str:
         return (
             f"{self.op} on group {self.group!r} on rank {self.rank}: the group is aborted "
-            f"({self.reason}); destroy it and create a new one"
+            f"({self.reason}); call fastdist.recover() on every live rank"
         )

@@ -1,0 +1,62 @@
+"""Opt-in cross-rank checks (``FASTDIST_CHECK=1`` or :func:`set_checks`): before each collective,
+every rank publishes the op, dtypes and shapes it is about to use, and all ranks compare them.
+
+A mismatch would otherwise hang until the deadline (different collectives) or worse: gloo aborts
+the whole process on an all_gather size mismatch. With checks on it becomes
+:class:`CollectiveMismatchError` on every rank, raised before anything is sent. The price is a
+few store round trips per collective (see bench/), so it is off by default.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from typing import Any
+
+from ._timeouts import current_time
+from .errors import CollectiveMismatchError
+
+_enabled = os.environ.get("FASTDIST_CHECK", "") not in ("", "0")
+_POLL_SECONDS = 0.0005
+
+
+def set_checks(enabled: bool) -> None:
+    """Turns the cross-rank collective checks on or off for this process. Every rank of a group
+    must use the same setting."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
+    _enabled = enabled
+
+
+def checks_enabled() -> bool:
+    """Whether cross-rank collective checks are on."""
+    return _enabled
+
+
+def verify(st: Any, op: str, seq: int, signature: str, deadline: float) -> bool:
+    """Publishes and compares signatures. Returns False if the deadline passed first (the
+    caller reports the timeout); raises CollectiveMismatchError on a mismatch."""
+    store = st.store
+    if store is None or st.size <= 1:
+        return True
+    prefix = f"fastdist/check/{st.name}/{st.generation}"
+    store.set(f"{prefix}/{seq}/{st.rank}", signature)
+    keys = [f"{prefix}/{seq}/{r}" for r in range(st.size)]
+    while not store.check(keys):
+        if current_time() >= deadline:
+            return False
+        time.sleep(_POLL_SECONDS)
+    sigs = {r: store.get(k).decode() for r, k in enumerate(keys)}
+    if seq > 2:
+        # Every rank read the records of seq - 2 before it could issue seq - 1 (which completed
+        # here, or this rank would not be at seq), so this rank's old record can go.
+        store.delete_key(f"{prefix}/{seq - 2}/{st.rank}")
+    counts = Counter(sigs.values())
+    if len(counts) == 1:
+        return True
+    # The signature most ranks used is "expected"; ties go to the lowest rank's.
+    expected = max(counts, key=lambda s: (counts[s], -min(r for r, x in sigs.items() if x == s)))
+    differing = {st.global_rank(r): s for r, s in sigs.items() if s != expected}
+    raise CollectiveMismatchError(op=op, seq=seq, group=st.name, rank=st.my_global_rank, expected=expected, differing=differing)

@@ -1,0 +1,83 @@
+"""Who is missing, and who is doing something else: the report made when a collective fails.
+
+Nothing here runs on the fast path: a healthy collective never touches the store. When a
+collective times out (or a peer closes the group), each rank that noticed writes one status
+record for the group's current generation (the op and sequence number it is in) to the group's
+store, then waits a short window for the others' records:
+
+- a rank that wrote the same op and sequence number arrived and is stuck with us;
+- a rank that wrote another op or sequence number is alive but desynced (it is in that op);
+- a rank that wrote nothing within the window never arrived (hung, stopped, dead, or busy
+  elsewhere without a deadline).
+
+Every rank reads the same records, so every rank that times out gets the same report: no
+circular blame. The window is min(1 s, 10% of the timeout), and ends early once every rank of the
+group has written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+MAX_WINDOW_SECONDS = 1.0
+WINDOW_FRACTION = 0.1
+_POLL_SECONDS = 0.005
+
+
+@dataclass
+class Report:
+    missing: list[int] = field(default_factory=list)    # global ranks that never reported
+    desynced: dict[int, str] = field(default_factory=dict)  # global rank -> "op #seq"
+    timed_out: list[int] = field(default_factory=list)  # global ranks whose own deadline passed
+    first_timeout_wall: Optional[float] = None  # time.time() of the earliest of those timeouts
+
+
+def window(budget: float) -> float:
+    return min(MAX_WINDOW_SECONDS, WINDOW_FRACTION * max(budget, 0.0))
+
+
+def report(st: Any, op: str, seq: int, state: str, budget: float) -> Optional[Report]:
+    """Publishes this rank's status (``state``: ``"timed_out"`` or ``"aborted"``) and collects the
+    group's. ``None`` when the group has no store or the store cannot be reached."""
+    store = st.store
+    if store is None or st.size <= 1:
+        return Report() if st.size <= 1 else None
+    prefix = f"fastdist/diag/{st.name}/{st.generation}"
+    me = {"op": op, "seq": seq, "state": state, "t": time.time()}
+    try:
+        store.set(f"{prefix}/status/{st.rank}", json.dumps(me))
+        count = store.add(f"{prefix}/count", 1)
+        end = time.monotonic() + window(budget)
+        while count < st.size and time.monotonic() < end:
+            time.sleep(_POLL_SECONDS)
+            count = store.add(f"{prefix}/count", 0)
+        records = {}
+        for r in range(st.size):
+            key = f"{prefix}/status/{r}"
+            if r == st.rank:
+                records[r] = me
+            elif store.check([key]):
+                records[r] = json.loads(store.get(key))
+    except Exception as exc:  # a dead store must not turn a timeout into another failure
+        logger.warning("rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, exc)
+        return None
+    out = Report()
+    for r in range(st.size):
+        rec = records.get(r)
+        g = st.global_rank(r)
+        if rec is None:
+            out.missing.append(g)
+            continue
+        if (rec["op"], rec["seq"]) != (op, seq):
+            out.desynced[g] = f"{rec['op']} #{rec['seq']}"
+        if rec["state"] == "timed_out" and r != st.rank:
+            out.timed_out.append(g)
+            t = float(rec.get("t", 0.0))
+            out.first_timeout_wall = t if out.first_timeout_wall is None else min(out.first_timeout_wall, t)
+    return out

@@ -1,0 +1,158 @@
+"""Starting a job, and recovering a timed-out group in place.
+
+``fastdist.init_process_group`` is torch's, plus what recovery needs kept: the backend, the
+group timeout and the store. ``fastdist.recover()``, called by every live rank after a timeout or
+a :class:`GroupAbortedError`, rebuilds the group without restarting the processes:
+
+1. The ranks agree on a new generation through the store: each adds itself to the generation's
+   member list. The round closes when every rank of the old group is in or, with
+   ``allow_shrink=True``, when the first rank's deadline passes; ``compare_set`` makes the first
+   closing decision the one every rank sees.
+2. The dead group is retired without running its destructor on this thread (fastdist holds it
+   until its in-flight op has ended, then lets it go).
+3. A fresh group is built on the members, under a store prefix of its own, renumbered in order
+   of their old ranks. It replaces the default group when the default group is the one that died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from . import _groups
+from ._timeouts import TimeoutLike, current_time, effective_deadline, validate_seconds
+from .errors import RecoveryError
+
+logger = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.005
+
+# What the default group was built with, for rebuilding it.
+_lineage: dict[str, Any] = {"backend": None, "timeout": None, "root": None}
+
+
+def init_process_group(
+    backend: Optional[str] = None,
+    init_method: Optional[str] = None,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    store: Optional[Any] = None,
+    timeout: Optional[Any] = None,
+    **kwargs: Any,
+) -> None:
+    """``torch.distributed.init_process_group`` (env:// as torchrun sets it, ``tcp://``,
+    ``file://``, or a ``store``), keeping what :func:`recover` and the diagnostics need.
+
+    ``timeout`` (seconds or ``timedelta``) is the group's backend timeout, as in torch; fastdist
+    calls still use their own ``timeout=``.
+    """
+    td = None if timeout is None else datetime.timedelta(seconds=validate_seconds(timeout, "timeout"))
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    dist.init_process_group(
+        backend=backend, init_method=init_method, timeout=td, store=store,
+        rank=-1 if rank is None else rank, world_size=-1 if world_size is None else world_size, **kwargs,
+    )
+    _lineage.update(backend=dist.get_backend(), timeout=td, root=dist.distributed_c10d._get_default_store())
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the default group, as rebuilt by recover)."""
+    return dist.get_rank(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    """The size of ``group`` (default: the default group, as rebuilt by recover)."""
+    return dist.get_world_size(group)
+
+
+def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: bool = False) -> Any:
+    """Rebuilds ``group`` (default: the default group) after a timeout or a
+    :class:`GroupAbortedError`; every live rank of the group must call it. Returns the new group
+    (for the default group, it also becomes the default).
+
+    Without ``allow_shrink`` every rank must turn up before ``timeout``, else
+    :class:`RecoveryError` names the missing ones. With ``allow_shrink=True`` the ranks that have
+    not turned up by the first rank's deadline are left out and the rest are renumbered in the
+    order of their old ranks; a rank that turns up later gets :class:`RecoveryError`.
+    """
+    start = current_time()
+    deadline = effective_deadline(timeout, start)
+    if not isinstance(allow_shrink, bool):
+        raise TypeError(f"allow_shrink must be a bool, got {type(allow_shrink).__name__}: {allow_shrink!r}")
+    pg = _groups.resolve(group)
+    if pg is None:
+        raise ValueError("this process is not a member of the group it asked to recover")
+    st = _groups.state_of(pg)
+    is_default = dist.is_initialized() and pg is dist.distributed_c10d._get_default_group()
+    if is_default and _lineage["root"] is None:
+        _lineage.update(backend=dist.get_backend(), timeout=None, root=dist.distributed_c10d._get_default_store())
+    store = _lineage["root"] if is_default else st.store
+    gen = st.generation + 1
+    me = st.my_global_rank
+    if store is None:
+        raise RecoveryError(group=st.name, rank=me, generation=gen, reason="the group has no store to agree through", missing_ranks=None)
+
+    members = _agree(store, st, gen, deadline, allow_shrink)
+    new_rank, new_size = members.index(me), len(members)
+    _groups.next_generation(st.name)
+    if st.dead_reason is None:
+        _groups.mark_dead(pg, "replaced by fastdist.recover()")
+    _groups.hold(pg)
+    if is_default:
+        new = _rebuild_default(gen, new_rank, new_size)
+    else:
+        new = dist.new_group(members, timeout=_lineage["timeout"], use_local_synchronization=True)
+    _groups.release_finished()
+    logger.info("rank %d: group %r rebuilt as generation %d: rank %d of %d", me, st.name, gen, new_rank, new_size)
+    return new
+
+
+def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -> list[int]:
+    """The sorted global ranks of the new generation, the same on every member."""
+    key = f"fastdist/recover/{st.name}"
+    me = st.my_global_rank
+    if store.check([f"{key}/latest"]):
+        latest = int(store.get(f"{key}/latest"))
+        if latest >= gen:
+            raise RecoveryError(
+                group=st.name, rank=me, generation=gen, missing_ranks=None,
+                reason=f"the other ranks already rebuilt the group as generation {latest} without this rank",
+            )
+    count_key = f"{key}/{gen}/count"
+    n = store.add(count_key, 1)
+    store.set(f"{key}/{gen}/member/{n}", str(me))
+    count = n
+    while count < st.size and current_time() < deadline:
+        time.sleep(_POLL_SECONDS)
+        count = store.add(count_key, 0)
+    if count < st.size and not allow_shrink:
+        arrived = {int(store.get(f"{key}/{gen}/member/{i}")) for i in range(1, count + 1)}
+        missing = [st.global_rank(r) for r in range(st.size) if st.global_rank(r) not in arrived]
+        raise RecoveryError(group=st.name, rank=me, generation=gen, reason="not every rank turned up before the deadline", missing_ranks=missing)
+    final = int(store.compare_set(f"{key}/{gen}/final", "", str(min(count, st.size))))
+    if n > final:
+        raise RecoveryError(
+            group=st.name, rank=me, generation=gen, missing_ranks=None,
+            reason="this rank turned up after the others had closed the new generation without it",
+        )
+    members = sorted(int(store.get(f"{key}/{gen}/member/{i}")) for i in range(1, final + 1))
+    store.set(f"{key}/latest", str(gen))
+    return members
+
+
+def _rebuild_default(gen: int, rank: int, world_size: int) -> Any:
+    # The dead group is held by fastdist (see _groups.hold), so dropping torch's references to
+    # it here does not run its destructor, which could block on an op still in flight.
+    dist.destroy_process_group()
+    root = _lineage["root"]
+    store = dist.PrefixStore(f"fastdist/gen{gen}/", root)
+    kwargs = {} if _lineage["timeout"] is None else {"timeout": _lineage["timeout"]}
+    dist.init_process_group(backend=_lineage["backend"], store=store, rank=rank, world_size=world_size, **kwargs)
+    return dist.distributed_c10d._get_default_group()
