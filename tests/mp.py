@@ -5,7 +5,8 @@ Each rank runs ``tests/rank_main.py SCENARIO RANK WORLD PORT``, which calls the 
 name in ``tests/scenarios.py``. Ranks report what they saw as JSON records on stdout. The whole
 run has a hard deadline, and every child is killed by PID in a ``finally``, so a bug cannot hang
 the suite. Ranks that play "absent" block on the store key ``RELEASE_KEY``, which the harness sets
-once every other rank has exited, so an absent rank never closes its connections early.
+once every other rank has exited, so an absent rank never closes its connections early. Ranks
+listed as ``stuck`` (hung or SIGSTOPped by the scenario) are killed at that point.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def run_ranks(
     world_size: int,
     *,
     absent: tuple[int, ...] = (),
+    stuck: tuple[int, ...] = (),
     timeout: float = 60.0,
     env: Optional[dict[str, str]] = None,
 ) -> list[RankResult]:
@@ -64,6 +66,7 @@ def run_ranks(
     outs: list[tuple[Any, Any]] = []
     exited_at: dict[int, float] = {}
     released = False
+    overran = False
     try:
         for rank in range(world_size):
             out = tempfile.TemporaryFile()
@@ -76,12 +79,16 @@ def run_ranks(
             for rank, p in enumerate(procs):
                 if rank not in exited_at and p.poll() is not None:
                     exited_at[rank] = time.time()
-            present = [r for r in range(world_size) if r not in absent]
+            present = [r for r in range(world_size) if r not in absent and r not in stuck]
             if not released and all(r in exited_at for r in present):
                 store.set(RELEASE_KEY, "1")
                 released = True
+                for r in stuck:  # hung or stopped on purpose: nothing else will end them
+                    if r not in exited_at:
+                        os.kill(procs[r].pid, signal.SIGKILL)
             if time.monotonic() > hard_deadline:
-                raise TimeoutError(f"scenario {scenario!r} did not finish within {timeout} s; exited: {sorted(exited_at)}")
+                overran = True
+                break
             time.sleep(0.01)
     finally:
         for p in procs:
@@ -99,6 +106,8 @@ def run_ranks(
         err.close()
         records = [json.loads(line[len(RECORD_PREFIX):]) for line in stdout.splitlines() if line.startswith(RECORD_PREFIX)]
         results.append(RankResult(rank, p.returncode, stdout, stderr, exited_at.get(rank), records))
+    if overran:
+        raise AssertionError(f"scenario {scenario!r} did not finish within {timeout} s; exited: {sorted(exited_at)}\n{describe(results)}")
     return results
 
 

@@ -110,3 +110,347 @@ def shared_deadline_and_handler(ctx) -> None:
     fastdist.set_timeout_handler(exit_three)
     fastdist.barrier(sub, timeout=1.0)
     ctx.record("handler_returned")
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 3: every op, faults, recovery
+
+
+def every_op(ctx) -> None:
+    """Every wrapper once on 3 ranks (and a subgroup), with the results torch would give."""
+    ctx.init()
+    rank, ws = ctx.rank, ctx.world_size
+    T = 20
+    t = torch.tensor([float(rank + 1)])
+    fastdist.all_reduce(t, timeout=T)
+    assert t.item() == sum(range(1, ws + 1)), t
+    t = torch.tensor([float(rank + 1)])
+    fastdist.all_reduce(t, dist.ReduceOp.MAX, timeout=T)
+    assert t.item() == ws
+    t = torch.tensor([float(rank + 1)])
+    fastdist.reduce(t, dst=1, timeout=T)
+    if rank == 1:
+        assert t.item() == sum(range(1, ws + 1))
+    t = torch.tensor([float(rank * 7)])
+    fastdist.broadcast(t, src=2, timeout=T)
+    assert t.item() == 14.0
+    out = torch.zeros(ws * 2)
+    fastdist.all_gather_into_tensor(out, torch.tensor([float(rank), float(rank)]), timeout=T)
+    assert out.tolist() == [float(r) for r in range(ws) for _ in range(2)]
+    out = torch.zeros(1)
+    fastdist.reduce_scatter_tensor(out, torch.arange(ws, dtype=torch.float32), timeout=T)
+    assert out.item() == float(rank * ws)
+    gl = [torch.zeros(1) for _ in range(ws)] if rank == 0 else None
+    fastdist.gather(torch.tensor([float(rank)]), gl, dst=0, timeout=T)
+    if rank == 0:
+        assert [g.item() for g in gl] == [0.0, 1.0, 2.0]
+    mine = torch.zeros(1)
+    fastdist.scatter(mine, [torch.tensor([float(r * 3)]) for r in range(ws)] if rank == 1 else None, src=1, timeout=T)
+    assert mine.item() == rank * 3
+    o = torch.zeros(ws)
+    fastdist.all_to_all_single(o, torch.tensor([float(rank * 10 + r) for r in range(ws)]), timeout=T)
+    assert o.tolist() == [float(r * 10 + rank) for r in range(ws)], o
+    # point to point: a ring
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+    got = torch.zeros(1)
+    if rank % 2 == 0:
+        fastdist.send(torch.tensor([float(rank)]), nxt, timeout=T)
+        src = fastdist.recv(got, prv, timeout=T)
+    else:
+        src = fastdist.recv(got, prv, timeout=T)
+        fastdist.send(torch.tensor([float(rank)]), nxt, timeout=T)
+    assert got.item() == prv and src == prv
+    got2 = torch.zeros(1)
+    hs = fastdist.batch_isend_irecv([dist.P2POp(dist.isend, torch.tensor([float(rank)]), nxt), dist.P2POp(dist.irecv, got2, prv)], timeout=T)
+    assert all(h.wait() for h in hs) and got2.item() == prv
+    h1 = fastdist.isend(torch.tensor([5.0 + rank]), nxt, timeout=T)
+    got3 = torch.zeros(1)
+    h2 = fastdist.irecv(got3, prv, timeout=T)
+    assert h2.wait() and h1.wait() and got3.item() == 5.0 + prv
+    # async collectives and fastdist.wait on torch's own work
+    t = torch.tensor([1.0])
+    h = fastdist.all_reduce(t, async_op=True, timeout=T)
+    assert h.wait(5) is True and t.item() == ws and h.is_completed() and h.exception() is None
+    raw = dist.all_reduce(torch.ones(1), async_op=True)
+    assert fastdist.wait(raw, timeout=T) is True
+    # objects
+    objs = [None] * ws
+    fastdist.all_gather_object(objs, {"rank": rank, "data": "x" * rank}, timeout=T)
+    assert objs == [{"rank": r, "data": "x" * r} for r in range(ws)]
+    gathered = [None] * ws if rank == 2 else None
+    fastdist.gather_object(("r", rank), gathered, dst=2, timeout=T)
+    if rank == 2:
+        assert gathered == [("r", r) for r in range(ws)]
+    lst = [{"a": 1}, [1, 2, 3], "hello"] if rank == 0 else [None, None, None]
+    fastdist.broadcast_object_list(lst, src=0, timeout=T)
+    assert lst == [{"a": 1}, [1, 2, 3], "hello"]
+    outo = [None]
+    fastdist.scatter_object_list(outo, [f"for {r}" * (r + 1) for r in range(ws)] if rank == 0 else None, src=0, timeout=T)
+    assert outo == [f"for {rank}" * (rank + 1)]
+    # a subgroup of ranks 1 and 2 (every rank calls new_group)
+    sub = dist.new_group([1, 2])
+    if rank in (1, 2):
+        t = torch.tensor([float(rank)])
+        fastdist.all_reduce(t, group=sub, timeout=T)
+        assert t.item() == 3.0
+        t = torch.tensor([float(rank)])
+        fastdist.broadcast(t, src=2, group=sub, timeout=T)
+        assert t.item() == 2.0
+    assert fastdist.barrier(timeout=T)
+    ctx.record("ok")
+
+
+from fastdist.faults import Fault, inject  # noqa: E402
+
+STEP_TIMEOUT = 1.5
+
+
+def _train(ctx, faults, steps: int, timeout: float = STEP_TIMEOUT):
+    """A training loop of all_reduces with the given faults. Returns (step, error) for the
+    first step that failed, or (steps, None); records how long the failing call took."""
+    for step in range(steps):
+        wrong = inject(faults, step, ctx.rank) == "wrong_collective"
+        t = torch.tensor([1.0])
+        call_start = time.monotonic()
+        try:
+            if wrong:
+                fastdist.barrier(timeout=timeout)
+            else:
+                fastdist.all_reduce(t, timeout=timeout)
+                assert t.item() == dist.get_world_size(), t
+        except (CollectiveTimeoutError, GroupAbortedError) as e:
+            ctx.record("failing_call", step=step, seconds=time.monotonic() - call_start)
+            return step, e
+    return steps, None
+
+
+def _record_error(ctx, event: str, err, start: float) -> None:
+    ctx.record(
+        event, kind=type(err).__name__, elapsed=time.monotonic() - start, message=str(err),
+        missing=getattr(err, "missing_ranks", None),
+        desynced={str(k): v for k, v in (getattr(err, "desynced", None) or {}).items()},
+    )
+
+
+def _after_recovery(ctx, new_group, event: str = "recovered") -> None:
+    """Correct results on the rebuilt group."""
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    fastdist.all_reduce(t, group=new_group, timeout=20)
+    n = dist.get_world_size()
+    objs = [None] * n
+    fastdist.all_gather_object(objs, dist.get_rank(), timeout=20)
+    h = fastdist.all_reduce(torch.ones(1), async_op=True, timeout=20)
+    assert h.wait() is True
+    ctx.record(event, rank=dist.get_rank(), world_size=n, sum=t.item(), objs=objs, default=new_group is dist.group.WORLD)
+
+
+def _fault_run(ctx, faults, steps: int = 4, shrink: bool = True) -> None:
+    ctx.init()
+    start = time.monotonic()
+    step, err = _train(ctx, faults, steps)
+    if err is None:
+        ctx.record("no_error")
+        return
+    _record_error(ctx, "error", err, start + 0)  # elapsed is measured from the loop's start
+    ctx.record("failed_at", step=step)
+    t0 = time.monotonic()
+    new = fastdist.recover(timeout=3.0 if shrink else 20.0, allow_shrink=shrink)
+    ctx.record("recover_time", seconds=time.monotonic() - t0)
+    _after_recovery(ctx, new)
+
+
+def fault_hang_two_of_four(ctx) -> None:
+    _fault_run(ctx, [Fault("hang", rank=2, step=2), Fault("hang", rank=3, step=2)])
+
+
+def fault_sigstop(ctx) -> None:
+    _fault_run(ctx, [Fault("sigstop", rank=2, step=1)])
+
+
+def fault_exit(ctx) -> None:
+    _fault_run(ctx, [Fault("exit", rank=1, step=1, exit_code=0)])
+
+
+def fault_sigkill_mid_all_reduce(ctx) -> None:
+    ctx.init()
+    start = time.monotonic()
+    _train(ctx, [], 1)
+    t = torch.ones(8 * 1024 * 1024)  # 32 MB: the ring takes long enough to be cut mid-way
+    if ctx.rank == 2:
+        fastdist.all_reduce(t, async_op=True, timeout=30)  # in flight...
+        inject([Fault("sigkill", rank=2, step=0)], 0, 2)
+    try:
+        fastdist.all_reduce(t, timeout=STEP_TIMEOUT)
+        ctx.record("no_error")
+        return
+    except (CollectiveTimeoutError, GroupAbortedError) as e:
+        _record_error(ctx, "error", e, start)
+    new = fastdist.recover(timeout=3.0, allow_shrink=True)
+    _after_recovery(ctx, new)
+
+
+def fault_wrong_collective(ctx) -> None:
+    """Rank 2 calls barrier where the others call all_reduce: everyone times out with the same
+    desync report; recovery keeps all three; then, with checks on, a size mismatch is caught."""
+    ctx.init()
+    start = time.monotonic()
+    step, err = _train(ctx, [Fault("wrong_collective", rank=2, step=1)], 3)
+    _record_error(ctx, "error", err, start)
+    new = fastdist.recover(timeout=20)
+    _after_recovery(ctx, new)
+    fastdist.set_checks(True)
+    n = 3 if ctx.rank == 2 else 2
+    out = [torch.zeros(2) for _ in range(3)]
+    try:
+        fastdist.all_gather(out, torch.zeros(n), timeout=10)
+        ctx.record("no_mismatch")
+    except fastdist.CollectiveMismatchError as e:
+        ctx.record("mismatch", message=str(e), differing={str(k): v for k, v in e.differing.items()})
+    t = torch.ones(1)
+    fastdist.all_reduce(t, timeout=10)  # the group is still usable after a mismatch
+    fastdist.set_checks(False)
+    ctx.record("after_mismatch", value=t.item())
+
+
+def fault_straggler_rejoins(ctx) -> None:
+    """Rank 2 stalls past the deadline; the others time out and wait in recover(); the straggler
+    wakes, is refused at once by the dead group, and joins the recovery."""
+    ctx.init()
+    start = time.monotonic()
+    step, err = _train(ctx, [Fault("hang", rank=2, step=1, seconds=STEP_TIMEOUT + 1.5)], 3)
+    _record_error(ctx, "error", err, start)
+    new = fastdist.recover(timeout=20)
+    _after_recovery(ctx, new)
+
+
+def fault_straggler_left_out(ctx) -> None:
+    """Rank 2 stalls until the others have rebuilt the group without it: it is refused at once by
+    the dead group, and its recover() says it was left out."""
+    ctx.init()
+    start = time.monotonic()
+    faults = [Fault("hang", rank=2, step=1, seconds=STEP_TIMEOUT + 3.0)]
+    step, err = _train(ctx, faults, 3)
+    _record_error(ctx, "error", err, start)
+    if ctx.rank == 2:
+        try:
+            fastdist.recover(timeout=5, allow_shrink=True)
+            ctx.record("recovered_unexpectedly")
+        except fastdist.RecoveryError as e:
+            ctx.record("left_out", message=str(e))
+        return
+    new = fastdist.recover(timeout=1.0, allow_shrink=True)
+    _after_recovery(ctx, new)
+
+
+class CountingStore(dist.Store):
+    """Wraps a store and counts every operation made through it."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+        self.ops = 0
+
+    def _count(self, name, *args):
+        self.ops += 1
+        return getattr(self.inner, name)(*args)
+
+    def set(self, key, value):
+        return self._count("set", key, value)
+
+    def get(self, key):
+        return self._count("get", key)
+
+    def add(self, key, value):
+        return self._count("add", key, value)
+
+    def check(self, keys):
+        return self._count("check", keys)
+
+    def wait(self, keys, timeout=None):
+        return self._count("wait", keys) if timeout is None else self._count("wait", keys, timeout)
+
+    def compare_set(self, key, expected, desired):
+        return self._count("compare_set", key, expected, desired)
+
+    def delete_key(self, key):
+        return self._count("delete_key", key)
+
+    def num_keys(self):
+        return self._count("num_keys")
+
+    def set_timeout(self, timeout):
+        return self.inner.set_timeout(timeout)
+
+
+def store_quiet_and_async_handler_exit(ctx) -> None:
+    """2 ranks. 100 healthy collectives make no store operation; then an async all_reduce that
+    nobody waits on times out, its handler runs on fastdist's thread and its sys.exit(7) ends the
+    process with code 7."""
+    import threading
+
+    counting = CountingStore(dist.PrefixStore("pg", ctx.store))
+    dist.init_process_group("gloo", store=counting, rank=ctx.rank, world_size=ctx.world_size)
+    fastdist.barrier(timeout=20)
+    before = counting.ops
+    t = torch.ones(4)
+    for i in range(25):
+        fastdist.all_reduce(t, timeout=20)
+        fastdist.barrier(timeout=20)
+        fastdist.broadcast(t, src=0, timeout=20)
+        fastdist.all_gather([torch.zeros(4) for _ in range(2)], t, timeout=20)
+    ctx.record("store_ops", during=counting.ops - before, at_init=before)
+    if ctx.rank == 1:
+        ctx.wait_release()
+        return
+
+    def handler(err):
+        ctx.record("handler", thread=threading.current_thread().name, main=threading.current_thread() is threading.main_thread(), message=str(err))
+        sys.exit(7)
+
+    fastdist.set_timeout_handler(handler)
+    h = fastdist.all_reduce(torch.ones(1), async_op=True, timeout=0.5)
+    ctx.record("issued", repr=repr(h))
+    time.sleep(30)  # nobody waits on h; the process must end from the handler
+    ctx.record("still_alive")
+
+
+def subgroup_dies_alone(ctx) -> None:
+    """3 ranks; subgroup {0, 1}. Rank 1 skips a subgroup barrier: rank 0 times out on the
+    subgroup alone; the default group keeps working; ranks 0 and 1 rebuild the subgroup."""
+    ctx.init()
+    sub = dist.new_group([0, 1])
+    fastdist.barrier(timeout=20)
+    if ctx.rank == 0:
+        try:
+            fastdist.barrier(sub, timeout=1.0)
+            ctx.record("no_timeout")
+        except CollectiveTimeoutError as e:
+            ctx.record("sub_timeout", message=str(e), missing=e.missing_ranks, group=e.group)
+    t = torch.tensor([float(ctx.rank + 1)])
+    fastdist.all_reduce(t, timeout=20)  # the default group is untouched
+    ctx.record("default_ok", value=t.item(), default_dead=fastdist.is_dead(), sub_dead=fastdist.is_dead(sub) if ctx.rank < 2 else None)
+    if ctx.rank < 2:
+        new_sub = fastdist.recover(sub, timeout=20)
+        t = torch.tensor([float(ctx.rank + 1)])
+        fastdist.all_reduce(t, group=new_sub, timeout=20)
+        ctx.record("sub_recovered", value=t.item(), size=dist.get_world_size(new_sub), default_still=dist.get_world_size())
+    fastdist.barrier(timeout=20)
+
+
+def leak_cycles(ctx) -> None:
+    """2 ranks, 20 timeout -> recover cycles: thread and file descriptor counts stay flat."""
+    import os
+
+    ctx.init()
+    counts = []
+    for cycle in range(20):
+        if ctx.rank == 0:
+            try:
+                fastdist.barrier(timeout=0.3)
+                raise AssertionError("no timeout")
+            except CollectiveTimeoutError:
+                pass
+        fastdist.recover(timeout=20)
+        assert fastdist.barrier(timeout=20)
+        counts.append((len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))))
+    ctx.record("counts", counts=counts)

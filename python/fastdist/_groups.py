@@ -33,7 +33,7 @@ class GroupState:
 
     __slots__ = (
         "ref", "name", "rank", "size", "global_ranks", "store", "seq", "_ops", "dead_reason",
-        "dead_error", "generation", "__weakref__",
+        "generation", "__weakref__",
     )
 
     def __init__(self, pg: Any) -> None:
@@ -47,8 +47,9 @@ class GroupState:
         self.store: Optional[Any] = _default_store() if self.global_ranks is not None else None
         self.seq = 0
         self._ops: list[str] = [""] * _OP_HISTORY  # op names by sequence number, a ring
+        # Why the group is dead, as text: an exception object would keep the frames of the call
+        # that failed, and with them the dead group itself, alive for good.
         self.dead_reason: Optional[str] = None
-        self.dead_error: Optional[BaseException] = None
         self.generation = _generations.get(self.name, 0)
 
     def begin(self, op: str) -> int:
@@ -150,7 +151,7 @@ def check_alive(st: GroupState, op: str) -> None:
         raise GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=st.dead_reason)
 
 
-def mark_dead(pg: Any, reason: str, abandoned: Optional[Any] = None, error: Optional[BaseException] = None) -> None:
+def mark_dead(pg: Any, reason: str, abandoned: Optional[Any] = None, level: int = logging.WARNING) -> None:
     """Records that ``pg`` is aborted. ``abandoned``: the token of its op still in flight, whose
     end releases the group (see :func:`release_finished`)."""
     st = state_of(pg)
@@ -158,12 +159,11 @@ def mark_dead(pg: Any, reason: str, abandoned: Optional[Any] = None, error: Opti
         first = st.dead_reason is None
         if first:
             st.dead_reason = reason
-            st.dead_error = error
         if abandoned is not None:
             entry = _held.setdefault(id(pg), (pg, []))
             entry[1].append(abandoned)
     if first:
-        logger.warning("rank %d: group %r is aborted: %s", st.my_global_rank, st.name, reason)
+        logger.log(level, "rank %d: group %r is aborted: %s", st.my_global_rank, st.name, reason)
 
 
 def hold(pg: Any) -> None:

@@ -34,10 +34,12 @@ PENDING = _core.PENDING
 
 # How long interpreter exit waits, in all, for abandoned work to end.
 EXIT_DRAIN_SECONDS = 2.0
+# How long interpreter exit lets backend threads finish releasing ops that just completed.
+EXIT_SETTLE_SECONDS = 0.05
 
 _abandoned: list[Callable[[], Any]] = []  # weak references to abandoned done-callbacks
 _abandoned_lock = threading.Lock()
-_drain_registered = False
+_exit_hook_registered = False
 
 
 def future_of(work: Any) -> Optional[Any]:
@@ -56,6 +58,8 @@ def watch(work: Any, deadline: float, on_expire: Optional[Callable[[], None]] = 
     """A token for ``work``: completed by the work's done-callback, expired at ``deadline``.
     Also returns that callback (None when the work has no future: then nothing completes the
     token, and the caller must)."""
+    if not _exit_hook_registered:
+        _register_exit_hook()
     token = engine().add(deadline, on_expire)
     fut = future_of(work)
     if fut is None:
@@ -65,9 +69,11 @@ def watch(work: Any, deadline: float, on_expire: Optional[Callable[[], None]] = 
     return token, callback
 
 
-def wait_until(work: Any, deadline: float) -> tuple[bool, _core.Token]:
-    """Blocks until ``work`` ends (True) or ``deadline`` passes (False); also returns the token.
-    The work's result is not inspected."""
+def wait_until(work: Any, deadline: float) -> tuple[bool, _core.Token, bool]:
+    """Blocks until ``work`` ends (True) or ``deadline`` passes (False); also returns the token
+    and whether the work has a future. For work with a future the result is not inspected; for
+    work without one (gloo send/recv) torch's wait already raised any error, and calling its
+    ``wait()`` again would wait for a second completion that never comes."""
     token, callback = watch(work, deadline)
     finished = False
     try:
@@ -77,7 +83,7 @@ def wait_until(work: Any, deadline: float) -> tuple[bool, _core.Token]:
             finished = _wait_without_future(work, deadline)
             if finished:
                 token.complete()
-        return finished, token
+        return finished, token, callback is not None
     finally:
         if not finished:
             # Timed out or interrupted: the heap entry must not outlive the call.
@@ -105,19 +111,28 @@ def abandon(token: _core.Token, callback_ref: Optional[Callable[[], Any]]) -> No
     if callback_ref is None:
         token.notifier()(None)  # no callback will ever come: count the work as let go
         return
-    global _drain_registered
     with _abandoned_lock:
         _abandoned[:] = [ref for ref in _abandoned if ref() is not None]
         _abandoned.append(callback_ref)
-        if not _drain_registered:
-            atexit.register(_drain_abandoned)
-            _drain_registered = True
 
 
-def _drain_abandoned() -> None:
-    # Right after calling a done-callback, torch's backend thread drops it, which needs the GIL;
-    # if finalization had begun by then, that thread would be killed inside C++ and the process
-    # would abort. So wait, with the GIL free, until torch has let go of every abandoned callback.
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    with _abandoned_lock:
+        if not _exit_hook_registered:
+            atexit.register(_at_exit)
+            _exit_hook_registered = True
+
+
+def _at_exit() -> None:
+    # A backend thread that needs the GIL once finalization has begun is killed inside C++, and
+    # the process aborts ("terminate called without an active exception"). Two such moments:
+    # - right after calling a done-callback, torch drops it: for work abandoned at a deadline that
+    #   can be any time later, so wait (bounded, GIL free) until torch let go of each callback;
+    # - right after completing an op, gloo's worker destroys it, dropping the last reference to
+    #   tensors whose Python objects may need the GIL: a waiter that wakes on completion and
+    #   exits at once can beat it, so give the worker threads a moment to settle.
+    time.sleep(EXIT_SETTLE_SECONDS)
     end = current_time() + EXIT_DRAIN_SECONDS
     with _abandoned_lock:
         pending = list(_abandoned)

@@ -12,12 +12,13 @@ op was issued, and it is watched even if nobody waits on it.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import math
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -111,9 +112,7 @@ def _report_error(st: Any, op: str, seq: int, start: float, deadline: float, sta
 def _timed_out(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, token: Any = None, cause: Optional[str] = None) -> CollectiveTimeoutError:
     """Marks the group dead and builds the report for a collective whose deadline passed."""
     _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}", abandoned=token)
-    err = _report_error(st, op, seq, start, deadline, "timed_out", cause)
-    st.dead_error = err
-    return err
+    return _report_error(st, op, seq, start, deadline, "timed_out", cause)
 
 
 def _backend_failed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, exc: RuntimeError) -> BaseException:
@@ -127,7 +126,9 @@ def _backend_failed(pg: Any, st: Any, op: str, seq: int, start: float, deadline:
     # A peer closed the group: it timed out first (then this is a timeout too, unless this rank
     # only arrived after that: a straggler), or it died.
     _groups.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
-    rep = diagnostics.report(st, op, seq, "aborted", deadline - start)
+    # Ranks still inside the op report when their deadline passes: wait for them until ours.
+    until = time.monotonic() + (deadline - current_time())
+    rep = diagnostics.report(st, op, seq, "aborted", deadline - start, until=until)
     started_wall = time.time() - (current_time() - start)
     if rep is not None and rep.timed_out and rep.first_timeout_wall is not None and rep.first_timeout_wall > started_wall:
         cause = f"rank {min(rep.timed_out)} timed out first and closed the group"
@@ -147,7 +148,6 @@ def _backend_failed(pg: Any, st: Any, op: str, seq: int, start: float, deadline:
         reason = f"{why}; {op} #{seq} failed: {text}"
         st.dead_reason = reason
         err = GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-    st.dead_error = err
     return err
 
 
@@ -176,37 +176,46 @@ def _run(
     _groups.check_alive(st, op)
     seq = st.begin(op)
     if _checks._enabled and not _checks.verify(st, op, seq, f"{op}({signature()})", deadline):
-        err = _timed_out(pg, st, op, seq, start, deadline, cause="while comparing signatures (FASTDIST_CHECK)")
-        run_timeout_handler(err)
-        raise err
+        _fail(_timed_out(pg, st, op, seq, start, deadline, cause="while comparing signatures (FASTDIST_CHECK)"))
     now = current_time()
     if now >= deadline:
         # This rank skips the collective its peers will make, so the group is out of step.
-        err = _timed_out(pg, st, op, seq, start, deadline, cause="the deadline had passed before the call")
-        run_timeout_handler(err)
-        raise err
+        _fail(_timed_out(pg, st, op, seq, start, deadline, cause="the deadline had passed before the call"))
     opts = None if kind is None else (_options(kind, deadline, now, **fields) if fields else _options(kind, deadline, now))
     work = issue(pg, opts)
     if async_op:
         return Work(op, pg, st, seq, work, start, deadline)
     try:
-        finished, token = wait_until(work, deadline)
+        finished, token, has_future = wait_until(work, deadline)
     except BaseException:
         # Interrupted (Ctrl-C): the op is still in flight and this rank no longer in step.
         _groups.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
         raise
     if finished:
         try:
-            work.wait()
+            if has_future:
+                work.wait()
         except RuntimeError as exc:
-            err2 = _backend_failed(pg, st, op, seq, start, deadline, exc)
-            if isinstance(err2, CollectiveTimeoutError):
-                run_timeout_handler(err2)
-            raise err2 from (exc if err2 is not exc else None)
+            _fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
         return work
-    err = _timed_out(pg, st, op, seq, start, deadline, token=token)
-    run_timeout_handler(err)
-    raise err
+    _fail(_timed_out(pg, st, op, seq, start, deadline, token=token))
+
+
+def _fail(err: BaseException, cause: Optional[BaseException] = None) -> NoReturn:
+    """Runs the timeout handler for a timeout, then raises ``err``.
+
+    No frame on the way up may keep the error in a local variable: the error's traceback refers
+    to those frames, and the cycle would keep the failed call's locals (the dead group among
+    them, with its threads and sockets) alive until the cyclic garbage collector happens to run.
+    """
+    try:
+        if isinstance(err, CollectiveTimeoutError):
+            run_timeout_handler(err)
+        if err is cause:
+            raise err
+        raise err from cause
+    finally:
+        del err, cause
 
 
 class Work:
@@ -269,7 +278,7 @@ class Work:
         if self._token.state == EXPIRED:
             self._reported.wait()
             return self._error
-        if self._work.is_completed():
+        if self._has_future and self._work.is_completed():
             try:
                 self._work.wait()
             except RuntimeError as exc:
@@ -290,19 +299,26 @@ class Work:
             state = self._wait_p2p(limit)
         if state == COMPLETED:
             try:
-                self._work.wait()
+                if self._has_future:  # (gloo send/recv: _wait_p2p already waited; see wait_until)
+                    self._work.wait()
             except RuntimeError as exc:
-                raise self._failure(exc) from exc
+                self._raise(self._failure(exc), exc)
             return True
         if state == EXPIRED:
             self._reported.wait()
             if self._error is None:
                 return True  # p2p work that had finished unnoticed
-            raise self._error
+            self._raise(self._error)
         raise TimeoutError(
             f"wait() on {self.op} #{self._seq} gave up after {limit - now:.3g} s; the op is still in flight "
             f"and its deadline is in {max(0.0, self._deadline - current_time()):.3g} s"
         )
+
+    @staticmethod
+    def _raise(err: BaseException, cause: Optional[BaseException] = None) -> NoReturn:
+        # A copy: the handle keeps the original, and a raised exception must not be reachable
+        # from the frames in its own traceback (see _fail).
+        raise copy.copy(err) from cause
 
     def _wait_p2p(self, limit: float) -> int:
         left = limit - current_time()
@@ -312,7 +328,7 @@ class Work:
                 self._token.complete()
         except RuntimeError as exc:
             if not any(m in str(exc) for m in _BACKEND_TIMEOUT_MARKERS):
-                raise self._failure(exc) from exc
+                self._raise(self._failure(exc), exc)
         if self._work.is_completed() and self._token.state == PENDING:
             self._token.complete()
         state = self._token.state
@@ -337,16 +353,14 @@ def wait(work: Any, timeout: TimeoutLike = None) -> Any:
         return work.wait(DeadlineScope(deadline))
     if not (hasattr(work, "wait") and (hasattr(work, "get_future") or hasattr(work, "add_done_callback"))):
         raise TypeError(f"work must be a torch Work or torch.futures.Future, got {type(work).__name__}")
-    finished, _token = wait_until(work, deadline)
+    finished, _token, has_future = wait_until(work, deadline)
     if finished:
-        return work.wait()  # a Work: True; a Future: its value (or its error, raised)
-    err = CollectiveTimeoutError(
+        return work.wait() if has_future else True  # a Future: its value (or its error, raised)
+    _fail(CollectiveTimeoutError(
         op="wait", seq=None, rank=dist.get_rank() if dist.is_initialized() else -1,
         world_size=dist.get_world_size() if dist.is_initialized() else -1, group="?", timeout=deadline - start,
         elapsed=current_time() - start, missing_ranks=None, desynced=None, last_seen=None, cause=None,
-    )
-    run_timeout_handler(err)
-    raise err
+    ))
 
 
 # ---------------------------------------------------------------------------------------------

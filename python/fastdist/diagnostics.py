@@ -42,9 +42,13 @@ def window(budget: float) -> float:
     return min(MAX_WINDOW_SECONDS, WINDOW_FRACTION * max(budget, 0.0))
 
 
-def report(st: Any, op: str, seq: int, state: str, budget: float) -> Optional[Report]:
+def report(st: Any, op: str, seq: int, state: str, budget: float, until: Optional[float] = None) -> Optional[Report]:
     """Publishes this rank's status (``state``: ``"timed_out"`` or ``"aborted"``) and collects the
-    group's. ``None`` when the group has no store or the store cannot be reached."""
+    group's, for the window after now, or after ``until`` (a ``time.monotonic()`` value) when
+    given. ``None`` when the group has no store or the store cannot be reached.
+
+    A rank whose peer closed the group early passes its own deadline as ``until``: the ranks still
+    waiting in the op report by then, and without them it would blame live ranks as missing."""
     store = st.store
     if store is None or st.size <= 1:
         return Report() if st.size <= 1 else None
@@ -53,7 +57,7 @@ def report(st: Any, op: str, seq: int, state: str, budget: float) -> Optional[Re
     try:
         store.set(f"{prefix}/status/{st.rank}", json.dumps(me))
         count = store.add(f"{prefix}/count", 1)
-        end = time.monotonic() + window(budget)
+        end = max(time.monotonic(), until or 0.0) + window(budget)
         while count < st.size and time.monotonic() < end:
             time.sleep(_POLL_SECONDS)
             count = store.add(f"{prefix}/count", 0)

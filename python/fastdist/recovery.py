@@ -103,7 +103,7 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     new_rank, new_size = members.index(me), len(members)
     _groups.next_generation(st.name)
     if st.dead_reason is None:
-        _groups.mark_dead(pg, "replaced by fastdist.recover()")
+        _groups.mark_dead(pg, "replaced by fastdist.recover()", level=logging.INFO)
     _groups.hold(pg)
     if is_default:
         new = _rebuild_default(gen, new_rank, new_size)

@@ -1,0 +1,54 @@
+"""Recovery and the cost model on real processes: subgroups die and recover on their own, 20
+timeout/recover cycles leak nothing, the fast path makes no store traffic, and an async handle
+nobody waits on still times out and runs the handler."""
+
+from __future__ import annotations
+
+import pytest
+
+from mp import describe, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_subgroup_dies_and_recovers_on_its_own() -> None:
+    results = run_ranks("subgroup_dies_alone", 3)
+    info = describe(results)
+    for r in results:
+        assert r.returncode == 0, info
+        ok = r.record("default_ok")
+        assert ok["value"] == 6.0 and ok["default_dead"] is False, info
+    to = results[0].record("sub_timeout")
+    assert to["group"] != "default" and to["missing"] == [1], info
+    assert results[0].record("default_ok")["sub_dead"] is True
+    for r in results[:2]:
+        rec = r.record("sub_recovered")
+        assert rec["value"] == 3.0 and rec["size"] == 2 and rec["default_still"] == 3, info
+
+
+def test_twenty_timeout_recover_cycles_leak_no_threads_or_fds() -> None:
+    results = run_ranks("leak_cycles", 2, timeout=100)
+    info = describe(results)
+    for r in results:
+        assert r.returncode == 0, info
+        counts = r.record("counts")["counts"]
+        threads, fds = zip(*counts)
+        # After the first cycles warm up (engine threads, the first dead group held until its op
+        # ends), the counts must not grow with the number of cycles.
+        assert max(threads[5:]) <= threads[4] + 1, info
+        assert max(fds[5:]) <= fds[4] + 2, info
+
+
+def test_fast_path_makes_no_store_traffic_and_an_unwaited_handle_still_times_out() -> None:
+    results = run_ranks("store_quiet_and_async_handler_exit", 2, absent=(1,))
+    info = describe(results)
+    for r in results:
+        ops = r.record("store_ops")
+        assert ops["during"] == 0 and ops["at_init"] > 0, info  # the counter does count
+    r0 = results[0]
+    handler = r0.record("handler")
+    assert handler["main"] is False and "all_reduce #" in handler["message"], info
+    assert not r0.has("still_alive"), info
+    assert r0.returncode == 7, info
+    assert r0.exited_at - r0.record("issued")["wall"] < 3.0, info
+    assert results[1].returncode == 0, info
