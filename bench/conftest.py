@@ -33,10 +33,14 @@ class Pair:
         self.ops = ops
         self.step = 0
 
-    def run(self, names: list[str]) -> list[float]:
-        """Makes the calls in order on both ranks; returns rank 0's time for each, in seconds."""
+    def post(self, names: list[str]) -> None:
+        """Tells the peer the calls rank 0 is about to make."""
         self.store.set(f"plan/{self.step}", json.dumps(names))
         self.step += 1
+
+    def run(self, names: list[str]) -> list[float]:
+        """Makes the calls in order on both ranks; returns rank 0's time for each, in seconds."""
+        self.post(names)
         times = []
         for name in names:
             op = self.ops[name]

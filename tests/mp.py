@@ -73,6 +73,7 @@ def run_ranks(
             err = tempfile.TemporaryFile()
             outs.append((out, err))
             cmd = [sys.executable, str(HERE / "rank_main.py"), scenario, str(rank), str(world_size), str(store.port)]
+            child_env["FASTDIST_SPAWNED_AT"] = repr(time.time())
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=child_env, cwd=str(HERE.parent)))
         hard_deadline = time.monotonic() + timeout
         while len(exited_at) < world_size:

@@ -454,3 +454,48 @@ def leak_cycles(ctx) -> None:
         assert fastdist.barrier(timeout=20)
         counts.append((len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))))
     ctx.record("counts", counts=counts)
+
+
+def bench_recovery(ctx) -> None:
+    """For bench/test_recovery_time.py: cycles of (the last rank skips a barrier, the others time
+    out, everyone recovers); records each rank's time from timeout to a good barrier. Also
+    records how long this process took from spawn to its first barrier (the restart cost)."""
+    import os
+
+    spawned = float(os.environ.get("FASTDIST_SPAWNED_AT", "0"))
+    ctx.init()
+    fastdist.barrier(timeout=30)
+    ctx.record("started", seconds_since_spawn=time.time() - spawned if spawned else -1)
+    for _ in range(int(os.environ.get("FASTDIST_BENCH_CYCLES", "3"))):
+        timed_out_at = None
+        if ctx.rank != ctx.world_size - 1:
+            try:
+                fastdist.barrier(timeout=0.5)
+            except CollectiveTimeoutError:
+                timed_out_at = time.time()
+        fastdist.recover(timeout=30)
+        fastdist.barrier(timeout=30)
+        ctx.record("cycle", timed_out_at=timed_out_at, recovered_at=time.time())
+
+
+def init_methods_then_recover(ctx) -> None:
+    """fastdist.init_process_group through env:// (as torchrun sets it) or file://, then a
+    timeout and a recovery that works with what it kept."""
+    import os
+
+    method = os.environ["FASTDIST_TEST_INIT"]
+    if method == "env":
+        # MASTER_PORT (a free port picked by the test) is served by rank 0, as under torchrun.
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size))
+        fastdist.init_process_group("gloo", "env://", timeout=30)
+    else:
+        fastdist.init_process_group("gloo", f"file://{os.environ['FASTDIST_TEST_FILE']}", rank=ctx.rank, world_size=ctx.world_size, timeout=30)
+    assert fastdist.get_rank() == ctx.rank and fastdist.get_world_size() == ctx.world_size
+    fastdist.barrier(timeout=20)
+    if ctx.rank == 0:
+        try:
+            fastdist.barrier(timeout=0.5)
+        except CollectiveTimeoutError as e:
+            ctx.record("timeout", missing=e.missing_ranks)
+    new = fastdist.recover(timeout=20)
+    _after_recovery(ctx, new)

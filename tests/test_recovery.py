@@ -52,3 +52,20 @@ def test_fast_path_makes_no_store_traffic_and_an_unwaited_handle_still_times_out
     assert r0.returncode == 7, info
     assert r0.exited_at - r0.record("issued")["wall"] < 3.0, info
     assert results[1].returncode == 0, info
+
+
+@pytest.mark.parametrize("method", ["env", "file"])
+def test_init_process_group_methods_keep_what_recovery_needs(method: str, tmp_path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"FASTDIST_TEST_INIT": method, "FASTDIST_TEST_FILE": str(tmp_path / "rendezvous"), "MASTER_PORT": str(port)}
+    results = run_ranks("init_methods_then_recover", 2, env=env)
+    info = describe(results)
+    for r in results:
+        assert r.returncode == 0, info
+        rec = r.record("recovered")
+        assert rec["world_size"] == 2 and rec["sum"] == 3.0, info
+    assert results[0].record("timeout")["missing"] == [1], info

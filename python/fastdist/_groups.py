@@ -20,6 +20,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _Backend
 
+_world = dist.distributed_c10d._world
+
 from .errors import GroupAbortedError
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,9 @@ def resolve(group: Any) -> Optional[Any]:
     """The ProcessGroup for ``group=`` (``None`` = the default group), or ``None`` when this
     process is not a member of it. Raises for anything that is not a group."""
     if group is None:
+        pg = _world.default_pg
+        if pg is not None:
+            return pg
         if not dist.is_initialized():
             raise RuntimeError(
                 "the default process group is not initialized: call "

@@ -76,9 +76,9 @@ def _options(kind: type, deadline: float, now: float, **fields: Any) -> Any:
     if deadline == math.inf:
         ms = -1
     else:
-        budget = max(0.0, deadline - now)
+        budget = deadline - now
         ms = math.ceil((budget + backend_grace(budget)) * 1000 / _OPTIONS_STEP_MS) * _OPTIONS_STEP_MS
-    key = (kind, ms, *fields.items()) if fields else (kind, ms)
+    key: Any = (kind, ms, *fields.items()) if fields else (kind, ms)
     try:
         opts = _options_cache.get(key)
     except TypeError:  # an unhashable field (e.g. a premul-sum ReduceOp): no caching
