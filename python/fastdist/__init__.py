@@ -48,9 +48,12 @@ from .errors import (
     FastdistError,
     GroupAbortedError,
     RecoveryError,
+    RpcTimeoutError,
 )
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .recovery import get_rank, get_world_size, init_process_group, recover
+
+# fastdist.rpc is a submodule (import fastdist.rpc): it imports torch.distributed.rpc.
 
 __version__ = "0.1.0"
 
@@ -62,6 +65,7 @@ __all__ = [
     "GroupAbortedError",
     "RecoveryError",
     "RendezvousTimeout",
+    "RpcTimeoutError",
     "Work",
     "__version__",
     "all_gather",

@@ -229,6 +229,8 @@ class Work:
     there ends the process with that code).
     """
 
+    _fastdist_handle = True  # fastdist.wait() calls wait(timeout) on it
+
     def __init__(self, op: str, pg: Any, st: Any, seq: int, work: Any, start: float, deadline: float) -> None:
         self.op = op
         self._pg = pg
@@ -349,7 +351,7 @@ def wait(work: Any, timeout: TimeoutLike = None) -> Any:
     unknown, so it is not marked dead."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
-    if isinstance(work, Work):
+    if getattr(work, "_fastdist_handle", False):  # a fastdist Work or fastdist.rpc.RpcFuture
         return work.wait(DeadlineScope(deadline))
     if not (hasattr(work, "wait") and (hasattr(work, "get_future") or hasattr(work, "add_done_callback"))):
         raise TypeError(f"work must be a torch Work or torch.futures.Future, got {type(work).__name__}")

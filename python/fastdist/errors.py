@@ -15,6 +15,7 @@ __all__ = [
     "CollectiveMismatchError",
     "GroupAbortedError",
     "RecoveryError",
+    "RpcTimeoutError",
 ]
 
 
@@ -135,6 +136,25 @@ class CollectiveMismatchError(FastdistError, ValueError):
     def _message(self) -> str:
         diffs = "; ".join(f"rank {r} called {sig}" for r, sig in sorted(self.differing.items()))
         return f"{self.op} #{self.seq} on group {self.group!r} does not match across ranks: expected {self.expected}; {diffs}"
+
+
+class RpcTimeoutError(FastdistError, TimeoutError):
+    """An RPC did not return before its deadline. Fields: ``to`` (the callee), ``func`` (the
+    function's name), ``timeout`` (the budget in seconds), ``elapsed``. The callee may still be
+    running the function; its result is dropped."""
+
+    _fields = ("to", "func", "timeout", "elapsed")
+
+    to: str
+    func: str
+    timeout: float
+    elapsed: float
+
+    def _message(self) -> str:
+        return (
+            f"RPC {self.func} to {self.to!r} timed out after {_fmt_seconds(self.timeout)} "
+            f"(waited {_fmt_seconds(self.elapsed)}); the callee may still be running it"
+        )
 
 
 class RecoveryError(FastdistError):
