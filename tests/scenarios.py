@@ -535,8 +535,8 @@ def rpc_timeouts(ctx) -> None:
             ctx.record("sync_timeout", elapsed=time.monotonic() - t0, to=e.to, func=e.func, timeout=e.timeout,
                        is_timeout=isinstance(e, TimeoutError), handler=len(seen) == 1 and seen[0] is e, message=str(e))
         ctx.record("fast_after", value=frpc.rpc_sync("w1", rpc_add, args=(2, 3), timeout=5))
-        fut = frpc.rpc_async("w1", rpc_sleep, args=(2.0,), timeout=0.5)
         t0 = time.monotonic()
+        fut = frpc.rpc_async("w1", rpc_sleep, args=(2.0,), timeout=0.5)
         try:
             fastdist.wait(fut)
             ctx.record("no_timeout")
@@ -556,7 +556,7 @@ def rpc_timeouts(ctx) -> None:
         rref = frpc.remote("w1", rpc_sleep, args=(2.0,), timeout=10)
         t0 = time.monotonic()
         try:
-            rref.to_here(timeout=0.5)
+            rref.to_here(timeout=0.5)  # its own timeout, counted from this call
             ctx.record("no_timeout")
         except fastdist.RpcTimeoutError:
             ctx.record("to_here_timeout", elapsed=time.monotonic() - t0)

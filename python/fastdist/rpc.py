@@ -169,7 +169,9 @@ class RRef:
     def to_here(self, timeout: TimeoutLike = None) -> Any:
         start = current_time()
         deadline = self._deadline if timeout is None else effective_deadline(timeout, start)
-        seconds = 0.0 if math.isinf(deadline) else max(deadline - start, 1e-3)  # torch: 0 = no timeout
+        # torch's own timeout is the only one here (to_here blocks in torch); it can fire a little
+        # early, so it gets the grace too: the error never comes before the deadline.
+        seconds = _torch_timeout(deadline, start)
         try:
             return self.torch_rref.to_here(timeout=seconds)
         except RuntimeError as exc:
