@@ -4,6 +4,7 @@ store, never through sleeps, except where a sleep is the behaviour under test (a
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -587,3 +588,205 @@ def rpc_timeouts(ctx) -> None:
     t0 = time.monotonic()
     done = frpc.shutdown(timeout=1.5)
     ctx.record("shutdown", seconds=time.monotonic() - t0, done=done)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 4: the NCCL code path against a test double (tests/fake_nccl.py)
+
+
+def fake_nccl_logic(ctx) -> None:
+    import fake_nccl
+
+    from fastdist import _polled
+
+    fake_nccl.register()
+    fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1)
+    t = torch.ones(1)
+    # A blocking call returns when the "device" finished, not when the future did (at once).
+    fake_nccl.DELAY = 0.3
+    t0 = time.monotonic()
+    fastdist.all_reduce(t, timeout=5)
+    fastdist.barrier(timeout=5)
+    ctx.record("blocking", elapsed=time.monotonic() - t0)
+    # Async: watched by the reaper.
+    fake_nccl.DELAY = 0.2
+    reaped = _polled.reaper.reaped
+    h = fastdist.all_reduce(t, async_op=True, timeout=5)
+    first = h.is_completed()
+    t0 = time.monotonic()
+    ok = h.wait()
+    ctx.record("async", first=first, ok=ok, elapsed=time.monotonic() - t0, reaped=_polled.reaper.reaped - reaped)
+    # A hang: the deadline fires, the communicators are aborted, the group is dead.
+    fake_nccl.DELAY = math.inf
+    t0 = time.monotonic()
+    try:
+        fastdist.all_reduce(t, timeout=0.5)
+        ctx.record("no_timeout")
+    except CollectiveTimeoutError as e:
+        ctx.record("timeout", elapsed=time.monotonic() - t0, aborted=len(fake_nccl.aborted_groups), message=str(e))
+    try:
+        fastdist.all_reduce(t, timeout=5)
+    except GroupAbortedError:
+        ctx.record("refused")
+    new = fastdist.recover(timeout=5)
+    fake_nccl.DELAY = 0.0
+    t = torch.tensor([3.0])
+    fastdist.all_reduce(t, timeout=5)
+    ctx.record("recovered", value=t.item(), new_group=new is not None, dead=fastdist.is_dead())
+    # An async handle nobody waits on still times out and aborts.
+    fake_nccl.DELAY = math.inf
+    h = fastdist.all_reduce(t, async_op=True, timeout=0.3)
+    time.sleep(0.8)
+    ctx.record("unwaited", completed=h.is_completed(), error=type(h.exception()).__name__, dead=fastdist.is_dead(),
+               aborted=len(fake_nccl.aborted_groups))
+    fastdist.recover(timeout=5)
+    # Finally, an abort that hangs ends the process (FASTDIST_ABORT_TIMEOUT=0.5 in this run).
+    fake_nccl.ABORT_HANGS = True
+    ctx.record("before_hanging_abort")
+    fastdist.all_reduce(t, timeout=0.3)
+    ctx.record("survived_hanging_abort")
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 4 on real GPUs (tests/gpu): NCCL, one process per GPU
+
+
+def _sleep_cycles_per_second() -> float:
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    torch.cuda._sleep(int(2e8))
+    torch.cuda.synchronize()
+    return 2e8 / (time.monotonic() - t0)
+
+
+def gpu_nccl_timeout_and_recover(ctx) -> None:
+    """One GPU: healthy NCCL ops; an all_reduce queued behind a 3 s stream stall with timeout 1 s
+    raises CollectiveTimeoutError in time, the process survives, recover() gives a working group."""
+    import os
+
+    torch.cuda.set_device(ctx.rank)
+    fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size)
+    ctx.record("env", mode=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), torch=torch.__version__)
+    t = torch.ones(1024, device="cuda")
+    fastdist.all_reduce(t, timeout=30)
+    assert fastdist.barrier(timeout=30)
+    h = fastdist.all_reduce(t, async_op=True, timeout=30)
+    assert h.wait() is True
+    torch.cuda.synchronize()
+    ctx.record("healthy", value=t[0].item())
+    rate = _sleep_cycles_per_second()
+    results = []
+    for attempt in range(3):
+        torch.cuda._sleep(int(rate * 3.0))  # the stream is busy for ~3 s: the collective waits behind it
+        t0 = time.monotonic()
+        try:
+            fastdist.all_reduce(t, timeout=1.0)
+            ctx.record("no_timeout", attempt=attempt)
+            return
+        except CollectiveTimeoutError as e:
+            detected = time.monotonic() - t0
+            message = str(e)
+        t1 = time.monotonic()
+        new = fastdist.recover(timeout=30)
+        recovered = time.monotonic() - t1
+        t = torch.full((1024,), 2.0, device="cuda")
+        fastdist.all_reduce(t, group=new, timeout=30)
+        torch.cuda.synchronize()  # the new collective also waits for the stall to end
+        first_ok = time.monotonic() - t1
+        results.append({"detected": detected, "past_deadline": detected - 1.0, "recover": recovered,
+                        "first_ok_after_recover": first_ok, "value": t[0].item() / ctx.world_size, "message": message})
+    time.sleep(2.0)  # torch's watchdog must not kill the process after fastdist aborted
+    assert fastdist.barrier(timeout=30)
+    ctx.record("timeouts", results=results)
+
+
+def gpu_nccl_missing_rank(ctx) -> None:
+    """Two or more GPUs: the last rank skips an all_reduce; the others report it missing."""
+    torch.cuda.set_device(ctx.rank)
+    fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size)
+    t = torch.ones(1024, device="cuda")
+    fastdist.all_reduce(t, timeout=30)
+    torch.cuda.synchronize()
+    if ctx.rank == ctx.world_size - 1:
+        ctx.wait_release()
+        return
+    t0 = time.monotonic()
+    try:
+        fastdist.all_reduce(t, timeout=2.0)
+        ctx.record("no_timeout")
+    except CollectiveTimeoutError as e:
+        ctx.record("timeout", elapsed=time.monotonic() - t0, missing=e.missing_ranks, message=str(e))
+
+
+def bench_reaping(ctx) -> None:
+    """For bench/: what reaping costs per op with 10,000 async works in flight, on the fake NCCL
+    double (CPU) or on real NCCL (FASTDIST_BENCH_BACKEND=nccl, one GPU)."""
+    import os
+    import statistics
+
+    from fastdist._polled import Reaper
+    from fastdist._timeouts import engine
+
+    backend = os.environ.get("FASTDIST_BENCH_BACKEND", "fake")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1)
+        t = torch.ones(1, device="cuda")
+    else:
+        import fake_nccl
+
+        fake_nccl.register()
+        fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1)
+        t = torch.ones(1)
+    pg = dist.distributed_c10d._get_default_group()
+    from torch.distributed.distributed_c10d import AllreduceOptions
+
+    n = int(os.environ.get("FASTDIST_BENCH_INFLIGHT", "10000"))
+    per_op = []
+    for _ in range(5):
+        reaper = Reaper()  # private and not started: time its passes alone
+        eng = engine()
+        works = [pg.allreduce([t], AllreduceOptions()) for _ in range(n)]
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        tokens = [eng.add(eng.now() + 3600) for _ in range(n)]
+        reaper._queues[0] = __import__("collections").deque(zip(works, tokens))
+        t0 = time.perf_counter()
+        done = reaper.reap_once()
+        per_op.append((time.perf_counter() - t0) / max(done, 1))
+        assert done == n, done
+    # The same through the public API: n async all_reduces in flight, then waited.
+    t0 = time.perf_counter()
+    handles = [fastdist.all_reduce(t, async_op=True, timeout=60) for _ in range(n)]
+    issued = time.perf_counter() - t0
+    for h in handles:
+        h.wait()
+    ctx.record("reaping", backend=backend, inflight=n, reap_per_op_us=statistics.median(per_op) * 1e6,
+               issue_per_op_us=issued / n * 1e6, total_s=time.perf_counter() - t0)
+
+
+def gpu_bench(ctx) -> None:
+    """For bench/: NCCL on one GPU. fastdist.all_reduce (returns once the GPU finished) against
+    dist.all_reduce + torch.cuda.synchronize(), interleaved, at 1 element and 1 MB."""
+    import statistics
+
+    torch.cuda.set_device(0)
+    fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1)
+    out = {}
+    for label, numel in (("1", 1), ("1mb", 256 * 1024)):
+        t = torch.ones(numel, device="cuda")
+        raw, fd = [], []
+        for i in range(600):
+            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                t0 = time.perf_counter()
+                if which == 0:
+                    dist.all_reduce(t)
+                    torch.cuda.synchronize()
+                    raw.append(time.perf_counter() - t0)
+                else:
+                    fastdist.all_reduce(t, timeout=30)
+                    fd.append(time.perf_counter() - t0)
+        r, f = statistics.median(raw[50:]), statistics.median(fd[50:])
+        out[label] = {"raw_sync_us": r * 1e6, "fastdist_us": f * 1e6, "ratio": f / r}
+    ctx.record("gpu_bench", **out)

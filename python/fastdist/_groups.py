@@ -22,6 +22,7 @@ from torch._C._distributed_c10d import Backend as _Backend
 
 _world = dist.distributed_c10d._world
 
+from . import _polled
 from .errors import GroupAbortedError
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class GroupState:
 
     __slots__ = (
         "ref", "name", "rank", "size", "global_ranks", "store", "seq", "_ops", "dead_reason",
-        "generation", "__weakref__",
+        "generation", "backend", "polled", "is_default", "__weakref__",
     )
 
     def __init__(self, pg: Any) -> None:
@@ -53,6 +54,10 @@ class GroupState:
         # that failed, and with them the dead group itself, alive for good.
         self.dead_reason: Optional[str] = None
         self.generation = _generations.get(self.name, 0)
+        self.backend = _polled.backend_of(pg)
+        # NCCL-like: works must be polled for completion, and aborted at the deadline.
+        self.polled = _polled.is_polled(self.backend)
+        self.is_default = self.name == "default"
 
     def begin(self, op: str) -> int:
         """Numbers the next op on this group (1, 2, ...): the same on every rank in step."""

@@ -35,8 +35,8 @@ from torch.distributed.distributed_c10d import (
     ScatterOptions,
 )
 
-from . import _checks, _groups, diagnostics
-from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline, run_timeout_handler
+from . import _checks, _groups, _polled, diagnostics
+from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline, engine, run_timeout_handler
 from ._work import COMPLETED, EXPIRED, PENDING, abandon, exit_process, wait_until, watch
 from .errors import CollectiveTimeoutError, GroupAbortedError
 
@@ -185,6 +185,8 @@ def _run(
     work = issue(pg, opts)
     if async_op:
         return Work(op, pg, st, seq, work, start, deadline)
+    if st.polled:
+        return _wait_polled(op, pg, st, seq, work, start, deadline)
     try:
         finished, token, has_future = wait_until(work, deadline)
     except BaseException:
@@ -199,6 +201,39 @@ def _run(
             _fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
         return work
     _fail(_timed_out(pg, st, op, seq, start, deadline, token=token))
+
+
+def _wait_polled(op: str, pg: Any, st: Any, seq: int, work: Any, start: float, deadline: float) -> Any:
+    """The blocking wait on an NCCL-like backend: returns once the work completed on the device
+    (its completion query, not a host-wide synchronize), or aborts the group at the deadline."""
+    token = engine().add(deadline)
+    try:
+        finished = _polled.wait_polled(work, token)
+    except BaseException:
+        _groups.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
+        raise
+    finally:
+        token.cancel()
+    if finished:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            _fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
+        return work
+    _fail(_expire_polled(pg, st, op, seq, start, deadline))
+
+
+def _expire_polled(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float) -> CollectiveTimeoutError:
+    """At the deadline on an NCCL-like group: mark it dead, abort its communicators (bounded),
+    then assemble the report (the abort comes first: it stops the device work)."""
+    _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
+    plain = CollectiveTimeoutError(
+        op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name, timeout=deadline - start,
+        elapsed=current_time() - start, missing_ranks=None, desynced=None, last_seen=st.prev_op_of(seq),
+        cause="aborting the communicators hung",
+    )
+    _polled.abort_group(pg, st.is_default, plain)
+    return _report_error(st, op, seq, start, deadline, "timed_out", "communicators aborted")
 
 
 def _fail(err: BaseException, cause: Optional[BaseException] = None) -> NoReturn:
@@ -241,6 +276,13 @@ class Work:
         self._deadline = deadline
         self._error: Optional[BaseException] = None
         self._reported = threading.Event()
+        self._polled = st.polled
+        if st.polled:
+            # The future says nothing about the device: the reaper polls the work instead.
+            self._token = engine().add(deadline, self._on_expire)
+            self._has_future, self._callback_ref = True, None
+            _polled.reaper.watch(id(pg), work, self._token)
+            return
         self._token, callback = watch(work, deadline, self._on_expire)
         self._has_future = callback is not None
         self._callback_ref = None if callback is None else weakref.ref(callback)
@@ -253,12 +295,15 @@ class Work:
 
     def _on_expire(self) -> None:
         # Runs on the engine's executor thread at the deadline.
-        if not self._has_future and self._work.is_completed():
-            self._reported.set()  # finished; only nobody was told (gloo send/recv have no future)
+        if (self._polled or not self._has_future) and self._work.is_completed():
+            self._reported.set()  # finished; only nobody was told (no future, or not polled yet)
             return
         try:
-            self._error = _timed_out(self._pg, self._st, self.op, self._seq, self._start, self._deadline, token=self._token)
-            abandon(self._token, self._callback_ref)
+            if self._polled:
+                self._error = _expire_polled(self._pg, self._st, self.op, self._seq, self._start, self._deadline)
+            else:
+                self._error = _timed_out(self._pg, self._st, self.op, self._seq, self._start, self._deadline, token=self._token)
+                abandon(self._token, self._callback_ref)
         finally:
             self._reported.set()
         try:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
+import warnings
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -49,9 +51,11 @@ def init_process_group(
     ``file://``, or a ``store``), keeping what :func:`recover` and the diagnostics need.
 
     ``timeout`` (seconds or ``timedelta``) is the group's backend timeout, as in torch; fastdist
-    calls still use their own ``timeout=``.
+    calls still use their own ``timeout=``. For NCCL it sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
+    unless already set (see :func:`configure_nccl_error_handling`).
     """
     td = None if timeout is None else datetime.timedelta(seconds=validate_seconds(timeout, "timeout"))
+    configure_nccl_error_handling(backend)
     for name, value in (("rank", rank), ("world_size", world_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
@@ -60,6 +64,31 @@ def init_process_group(
         rank=-1 if rank is None else rank, world_size=-1 if world_size is None else world_size, **kwargs,
     )
     _lineage.update(backend=dist.get_backend(), timeout=td, root=dist.distributed_c10d._get_default_store())
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+# 2 = CleanUpOnly: torch's watchdog aborts the communicators of a failed work but does not tear
+# the process down. torch's default (3) kills the process, which would undo a fastdist abort.
+NCCL_ERROR_HANDLING_MODE = "2"
+
+
+def configure_nccl_error_handling(backend: Optional[str]) -> None:
+    """Sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 for a backend that may be NCCL (``None`` lets torch
+    pick NCCL on a GPU machine), so that torch's watchdog never kills a process after fastdist
+    aborted a timed-out collective. A value the user set is kept, with a warning if it differs."""
+    if backend is not None and "nccl" not in str(backend).lower():
+        return
+    current = os.environ.get(NCCL_ERROR_HANDLING)
+    if current is None:
+        os.environ[NCCL_ERROR_HANDLING] = NCCL_ERROR_HANDLING_MODE
+    elif current.strip() != NCCL_ERROR_HANDLING_MODE:
+        warnings.warn(
+            f"{NCCL_ERROR_HANDLING}={current} was set explicitly and is kept; with it torch's NCCL watchdog "
+            f"may {'kill the process' if current.strip() in ('1', '3') else 'not clean up'} after a timeout "
+            f"that fastdist handles. fastdist recommends {NCCL_ERROR_HANDLING}={NCCL_ERROR_HANDLING_MODE}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def get_rank(group: Any = None) -> int:

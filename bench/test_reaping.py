@@ -1,0 +1,41 @@
+"""Reaping cost per op with 10,000 async works in flight on the NCCL code path (goal <= 1 us),
+on the CPU test double (tests/fake_nccl.py) and, with a GPU, on real NCCL."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMOKE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from mp import describe, run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("backend", ["fake", pytest.param("nccl", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_reaping_cost(benchmark, backend: str) -> None:
+    env = {"FASTDIST_BENCH_BACKEND": backend, "FASTDIST_BENCH_INFLIGHT": "200" if SMOKE else "10000"}
+    results = run_ranks("bench_reaping", 1, env=env, timeout=240)
+    assert results[0].returncode == 0, describe(results)
+    rec = results[0].record("reaping")
+    benchmark.extra_info.update(rec)
+    print(f"\nreaping on {backend}: {rec['reap_per_op_us']:.3f} us/op at {rec['inflight']} in flight; "
+          f"issue {rec['issue_per_op_us']:.1f} us/op")
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_all_reduce_overhead(benchmark) -> None:
+    results = run_ranks("gpu_bench", 1, timeout=240)
+    assert results[0].returncode == 0, describe(results)
+    rec = results[0].record("gpu_bench")
+    benchmark.extra_info.update(rec)
+    for k in ("1", "1mb"):
+        print(f"\nNCCL all_reduce {k}: raw+sync {rec[k]['raw_sync_us']:.1f} us, fastdist {rec[k]['fastdist_us']:.1f} us, "
+              f"ratio {rec[k]['ratio']:.3f}")
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
