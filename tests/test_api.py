@@ -261,3 +261,18 @@ def test_import_starts_no_thread_and_imports_nothing_heavy() -> None:
     py_threads, os_threads, _numpy, _core_loaded = after.stdout.split()
     assert py_threads == "1"
     assert int(os_threads) == int(before.stdout)  # no thread beyond what torch itself starts
+
+
+@pytest.mark.timeout(300)
+def test_every_benchmark_runs_once_in_smoke_mode() -> None:
+    """bench/ must not rot: each benchmark runs once, tiny, without asserting timings."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(__import__("os").environ, FASTDIST_BENCH_SMOKE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "bench", "-q", "-p", "no:cacheprovider", "--benchmark-disable", "-o", "addopts="],
+        cwd=root, env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
