@@ -790,3 +790,25 @@ def gpu_bench(ctx) -> None:
         r, f = statistics.median(raw[50:]), statistics.median(fd[50:])
         out[label] = {"raw_sync_us": r * 1e6, "fastdist_us": f * 1e6, "ratio": f / r}
     ctx.record("gpu_bench", **out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 5: rendezvous through fastdist.init_process_group
+
+
+def rdzv_init(ctx) -> None:
+    """3 ranks: the last never calls init; the others' rendezvous names it within the timeout."""
+    import os
+
+    if ctx.rank == ctx.world_size - 1:
+        ctx.wait_release()
+        return
+    t0 = time.monotonic()
+    try:
+        fastdist.init_process_group(
+            "gloo", f"tcp://127.0.0.1:{os.environ['FASTDIST_RDZV_PORT']}", rank=ctx.rank, world_size=ctx.world_size,
+            connect_timeout=10, rendezvous_timeout=fastdist.RendezvousTimeout(1.5),
+        )
+        ctx.record("no_error")
+    except fastdist.RendezvousTimeoutError as e:
+        ctx.record("rdzv_timeout", elapsed=time.monotonic() - t0, missing=e.missing_ranks, joined=e.joined, message=str(e))

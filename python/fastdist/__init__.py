@@ -48,6 +48,9 @@ from .errors import (
     FastdistError,
     GroupAbortedError,
     RecoveryError,
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
     RpcTimeoutError,
 )
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
@@ -64,7 +67,10 @@ __all__ = [
     "FastdistError",
     "GroupAbortedError",
     "RecoveryError",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
     "RendezvousTimeout",
+    "RendezvousTimeoutError",
     "RpcTimeoutError",
     "Work",
     "__version__",

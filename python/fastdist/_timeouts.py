@@ -197,10 +197,22 @@ class RendezvousTimeout:
         if rt.is_timed_out(): ...
     """
 
-    __slots__ = ("_timeout", "_deadline", "_lock")
+    __slots__ = ("_timeout", "_deadline", "_lock", "join", "last_call", "heartbeat")
 
-    def __init__(self, timeout: Union[float, datetime.timedelta] = 10.0) -> None:
+    def __init__(
+        self,
+        timeout: Union[float, datetime.timedelta] = 10.0,
+        *,
+        join: Union[float, datetime.timedelta, None] = None,
+        last_call: Union[float, datetime.timedelta, None] = None,
+        heartbeat: Union[float, datetime.timedelta, None] = None,
+    ) -> None:
         self._timeout = validate_seconds(timeout, "timeout")
+        # For fastdist.init_process_group's rendezvous (see fastdist.rendezvous.rendezvous):
+        # how long ranks may join, extra time after the countdown, how often to look.
+        self.join = None if join is None else validate_seconds(join, "join")
+        self.last_call = None if last_call is None else validate_seconds(last_call, "last_call")
+        self.heartbeat = None if heartbeat is None else validate_seconds(heartbeat, "heartbeat")
         self._deadline: Optional[float] = None
         self._lock = threading.Lock()
 

@@ -10,13 +10,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="fastdist", description="Real deadlines for torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from . import demo
+    from . import demo, doctor
 
     demo_parser = sub.add_parser("demo", help="run a local multi-rank gloo job in which one rank hangs")
     demo.add_arguments(demo_parser)
+    doctor_parser = sub.add_parser("doctor", help="check whether this machine can join a job, and say what to fix")
+    doctor.add_arguments(doctor_parser)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "doctor":
+        return doctor.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -15,6 +15,9 @@ __all__ = [
     "CollectiveMismatchError",
     "GroupAbortedError",
     "RecoveryError",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousTimeoutError",
     "RpcTimeoutError",
 ]
 
@@ -154,6 +157,73 @@ class RpcTimeoutError(FastdistError, TimeoutError):
         return (
             f"RPC {self.func} to {self.to!r} timed out after {_fmt_seconds(self.timeout)} "
             f"(waited {_fmt_seconds(self.elapsed)}); the callee may still be running it"
+        )
+
+
+_CONNECT_ADVICE = {
+    "unresolvable_address": "the name does not resolve: check MASTER_ADDR for typos, and DNS or /etc/hosts on this machine",
+    "port_in_use": "the port is already taken here: pick another MASTER_PORT, or stop the process holding it",
+    "refused": "nothing is listening there: is rank 0 running, on that machine, with the same MASTER_PORT?",
+    "unreachable": "no answer at all: a firewall or a wrong network; check the address is reachable from here (nc -vz HOST PORT)",
+    "version_mismatch": "the ranks run different versions: install the same torch and fastdist everywhere",
+    "world_size_mismatch": "the ranks were started with different world sizes: check WORLD_SIZE / --nnodes / --nproc-per-node",
+}
+
+
+class RendezvousConnectionError(FastdistError, ConnectionError):
+    """The ranks could not get together. Fields: ``cause`` (one of ``"unresolvable_address"``,
+    ``"port_in_use"``, ``"refused"``, ``"unreachable"``, ``"version_mismatch"``,
+    ``"world_size_mismatch"``), ``address``, ``port``, ``attempts``, ``elapsed`` and ``detail``
+    (e.g. the process holding the port). The message says what to check."""
+
+    _fields = ("cause", "address", "port", "attempts", "elapsed", "detail")
+
+    cause: str
+    address: str
+    port: int
+    attempts: int
+    elapsed: float
+    detail: Optional[str]
+
+    def _message(self) -> str:
+        text = f"rendezvous with {self.address}:{self.port} failed ({self.cause}"
+        text += f", {self.attempts} attempt{'s' if self.attempts != 1 else ''} in {_fmt_seconds(self.elapsed)})"
+        if self.detail:
+            text += f": {self.detail}"
+        advice = _CONNECT_ADVICE.get(self.cause)
+        return f"{text}. {advice[0].upper() + advice[1:]}." if advice else text
+
+
+class RendezvousClosedError(FastdistError):
+    """This rank turned up after the rendezvous closed. Fields: ``rank``, ``joined``,
+    ``world_size``."""
+
+    _fields = ("rank", "joined", "world_size")
+
+    rank: int
+    joined: int
+    world_size: int
+
+    def _message(self) -> str:
+        return f"rank {self.rank} arrived after the rendezvous closed ({self.joined} of {self.world_size} ranks had joined)"
+
+
+class RendezvousTimeoutError(FastdistError, TimeoutError):
+    """Ranks were missing when the rendezvous countdown ended. Fields: ``rank``, ``joined``,
+    ``world_size``, ``missing_ranks``, ``elapsed``."""
+
+    _fields = ("rank", "joined", "world_size", "missing_ranks", "elapsed")
+
+    rank: int
+    joined: int
+    world_size: int
+    missing_ranks: list[int]
+    elapsed: float
+
+    def _message(self) -> str:
+        return (
+            f"rendezvous timed out on rank {self.rank} after {_fmt_seconds(self.elapsed)}: {self.joined} of "
+            f"{self.world_size} ranks joined; missing: {_fmt_ranks(self.missing_ranks)}"
         )
 
 

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from . import _groups
-from ._timeouts import TimeoutLike, current_time, effective_deadline, validate_seconds
+from ._timeouts import RendezvousTimeout, TimeoutLike, current_time, effective_deadline, validate_seconds
 from .errors import RecoveryError
 
 logger = logging.getLogger(__name__)
@@ -45,25 +45,84 @@ def init_process_group(
     world_size: Optional[int] = None,
     store: Optional[Any] = None,
     timeout: Optional[Any] = None,
+    connect_timeout: Optional[Any] = None,
+    retries: Optional[int] = 3,
+    backoff: float = 0.5,
+    rendezvous_timeout: Optional[Any] = None,
     **kwargs: Any,
 ) -> None:
     """``torch.distributed.init_process_group`` (env:// as torchrun sets it, ``tcp://``,
     ``file://``, or a ``store``), keeping what :func:`recover` and the diagnostics need.
 
+    For env:// (also the default when MASTER_ADDR is set) and tcp://, fastdist makes the store
+    connection itself: retries with exponential backoff and jitter (``retries``, ``backoff``),
+    the whole connect phase within ``connect_timeout`` (default 60 s) plus 10%, and failures
+    raised as :class:`RendezvousConnectionError` with their cause (see fastdist.rendezvous). Then
+    every rank checks that torch, fastdist and the world size match rank 0's. With
+    ``rendezvous_timeout`` (a :class:`RendezvousTimeout` or seconds) the ranks also wait for each
+    other within it, and missing ranks are named (:class:`RendezvousTimeoutError`).
+
     ``timeout`` (seconds or ``timedelta``) is the group's backend timeout, as in torch; fastdist
     calls still use their own ``timeout=``. For NCCL it sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
     unless already set (see :func:`configure_nccl_error_handling`).
     """
+    from . import rendezvous as rdzv_mod
+
     td = None if timeout is None else datetime.timedelta(seconds=validate_seconds(timeout, "timeout"))
-    configure_nccl_error_handling(backend)
+    connect = 60.0 if connect_timeout is None else validate_seconds(connect_timeout, "connect_timeout")
+    rdzv = rendezvous_timeout
+    if rdzv is not None and not isinstance(rdzv, RendezvousTimeout):
+        rdzv = RendezvousTimeout(rdzv)
     for name, value in (("rank", rank), ("world_size", world_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    configure_nccl_error_handling(backend)
+    target = _tcp_target(init_method, store)
+    if target is not None:
+        host, port = target
+        rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
+        world_size = int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
+        if rank is None or world_size is None:
+            raise ValueError("rank and world_size are needed (as arguments, or RANK and WORLD_SIZE in the environment)")
+        store = rdzv_mod.connect_store(
+            host, port, is_master=rank == 0, world_size=world_size, connect_timeout=connect, retries=retries,
+            backoff=backoff, store_timeout=td.total_seconds() if td is not None else 300.0,
+        )
+        rdzv_mod.check_versions(store, rank, world_size, host, port, timeout=connect)
+        init_method = None
+    if rdzv is not None:
+        if store is None:
+            raise ValueError("rendezvous_timeout needs env://, tcp:// or a store")
+        rdzv_mod.rendezvous(store, -1 if rank is None else rank, -1 if world_size is None else world_size, rdzv)
     dist.init_process_group(
         backend=backend, init_method=init_method, timeout=td, store=store,
         rank=-1 if rank is None else rank, world_size=-1 if world_size is None else world_size, **kwargs,
     )
     _lineage.update(backend=dist.get_backend(), timeout=td, root=dist.distributed_c10d._get_default_store())
+
+
+def _tcp_target(init_method: Optional[str], store: Optional[Any]) -> Optional[tuple[str, int]]:
+    """(host, port) when fastdist should make the TCPStore connection itself."""
+    if store is not None:
+        return None
+    if init_method is None:
+        if "MASTER_ADDR" not in os.environ:
+            return None
+        init_method = "env://"
+    if init_method.startswith("env://"):
+        try:
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except KeyError as exc:
+            raise ValueError(f"env:// needs {exc.args[0]} in the environment") from None
+        except ValueError:
+            raise ValueError(f"MASTER_PORT must be a port number, got {os.environ['MASTER_PORT']!r}") from None
+    if init_method.startswith("tcp://"):
+        hostport = init_method[len("tcp://"):].split("?", 1)[0].rstrip("/")
+        host, _, port = hostport.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"init_method must look like tcp://HOST:PORT, got {init_method!r}")
+        return host.strip("[]"), int(port)
+    return None
 
 
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

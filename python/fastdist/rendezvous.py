@@ -1,0 +1,251 @@
+"""Getting the ranks together: store connection with retries and diagnosed failures, the version
+and world-size check, and a rendezvous with join / close / timeout.
+
+torch's own connect gives poor answers (facts file): a 3 s connect timeout that takes up to 8 s,
+DNS failures reported as socket timeouts, a C++ stack dump on every failure, no cause. Here each
+step is probed with plain sockets first, so the failures fastdist can explain never reach torch:
+
+- the address is resolved first, in a thread bounded to 1 s: a name that does not resolve is
+  named as such at once (``cause="unresolvable_address"``);
+- rank 0 binds the port itself before starting the store: a port in use is named, with the
+  process holding it when /proc tells (``"port_in_use"``);
+- the others probe the port with a plain connect, retrying with exponential backoff and jitter,
+  each attempt logged: nothing listening is ``"refused"``, no answer at all is
+  ``"unreachable"`` (a firewall or a wrong network). The whole phase ends within
+  ``connect_timeout`` plus 10%;
+- once connected, every rank checks the record rank 0 published: different torch or fastdist
+  versions are ``"version_mismatch"``, a different world size ``"world_size_mismatch"``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import logging
+import os
+import random
+import socket
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+from ._timeouts import RendezvousTimeout, current_time, validate_seconds
+from .errors import RendezvousClosedError, RendezvousConnectionError, RendezvousTimeoutError
+
+logger = logging.getLogger(__name__)
+
+RESOLVE_TIMEOUT = 1.0
+VERSION_KEY = "fastdist/rdzv/version"
+
+
+def versions() -> dict[str, Any]:
+    import torch
+
+    from . import __version__
+
+    return {"torch": torch.__version__, "fastdist": __version__, "python": sys.version.split()[0]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes
+
+
+def resolve(host: str, timeout: float = RESOLVE_TIMEOUT) -> str:
+    """The IPv4 address of ``host``; raises OSError if it cannot be resolved within ``timeout``
+    (getaddrinfo has no timeout of its own, so it runs in a thread)."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+        except OSError as exc:
+            result.append(exc)
+
+    th = threading.Thread(target=run, name="fastdist-resolve", daemon=True)
+    th.start()
+    th.join(timeout)
+    if not result:
+        raise OSError(f"resolving {host!r} took longer than {timeout:g} s")
+    if isinstance(result[0], OSError):
+        raise result[0]
+    return str(result[0])
+
+
+def port_holder(port: int) -> Optional[str]:
+    """``"pid N (cmdline)"`` of a local process listening on ``port``, when /proc tells."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if int(parts[1].rsplit(":", 1)[1], 16) == port and parts[3] == "0A":  # LISTEN
+                        inodes.add(parts[9])
+        except (OSError, ValueError, IndexError, StopIteration):
+            continue
+    if not inodes:
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                    return f"pid {pid} ({cmd[:120]})"
+        except OSError:
+            continue
+    return None
+
+
+def port_in_use(addr: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
+def probe(addr: str, port: int, timeout: float) -> tuple[Optional[str], float]:
+    """One plain TCP connect: (None, seconds) if something accepted, else (cause, seconds) with
+    cause ``"refused"`` or ``"unreachable"``."""
+    t0 = time.monotonic()
+    try:
+        with socket.create_connection((addr, port), timeout=max(timeout, 0.001)):
+            return None, time.monotonic() - t0
+    except ConnectionRefusedError:
+        return "refused", time.monotonic() - t0
+    except (socket.timeout, TimeoutError):
+        return "unreachable", time.monotonic() - t0
+    except OSError as exc:
+        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return "unreachable", time.monotonic() - t0
+        return "refused", time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# Connecting
+
+
+def connect_store(
+    host: str,
+    port: int,
+    *,
+    is_master: bool,
+    world_size: Optional[int] = None,
+    connect_timeout: float = 60.0,
+    retries: Optional[int] = 3,
+    backoff: float = 0.5,
+    store_timeout: float = 300.0,
+) -> Any:
+    """A TCPStore at ``host:port``: rank 0 serves it (``is_master``), the others connect, retrying
+    ``retries`` times (None: until ``connect_timeout``) with exponential backoff from ``backoff``
+    seconds and jitter. Raises :class:`RendezvousConnectionError` naming the cause."""
+    from torch.distributed import TCPStore
+
+    budget = validate_seconds(connect_timeout, "connect_timeout")
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
+        raise ValueError(f"retries must be a non-negative int or None, got {retries!r}")
+    backoff = validate_seconds(backoff, "backoff")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port must be an int in 1..65535, got {port!r}")
+    start = time.monotonic()
+    deadline = start + budget
+
+    def fail(cause: str, attempts: int, detail: Optional[str] = None) -> RendezvousConnectionError:
+        return RendezvousConnectionError(cause=cause, address=host, port=port, attempts=attempts, elapsed=time.monotonic() - start, detail=detail)
+
+    try:
+        addr = resolve(host, min(RESOLVE_TIMEOUT, budget))
+    except OSError as exc:
+        raise fail("unresolvable_address", 1, str(exc)) from None
+    td = datetime.timedelta(seconds=store_timeout)
+    if is_master:
+        if port_in_use(addr, port):
+            raise fail("port_in_use", 1, port_holder(port))
+        store = TCPStore(addr, port, world_size, True, td, wait_for_workers=False)
+        return store
+
+    attempt = 0
+    while True:
+        attempt += 1
+        left = deadline - time.monotonic()
+        cause, took = probe(addr, port, min(left, 5.0))
+        if cause is None:
+            return TCPStore(addr, port, world_size, False, td)
+        logger.info("rendezvous: attempt %d to reach %s:%d: %s after %.3f s", attempt, host, port, cause, took)
+        left = deadline - time.monotonic()
+        if left <= 0 or (retries is not None and attempt > retries):
+            raise fail(cause, attempt)
+        pause = min(backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5), left)
+        time.sleep(pause)
+
+
+def check_versions(store: Any, rank: int, world_size: int, host: str, port: int, timeout: float) -> None:
+    """Rank 0 publishes its versions and world size; the others compare theirs."""
+    mine = dict(versions(), world_size=world_size)
+    if rank == 0:
+        store.set(VERSION_KEY, json.dumps(mine))
+        return
+    t0 = time.monotonic()
+    store.wait([VERSION_KEY], datetime.timedelta(seconds=timeout))
+    theirs = json.loads(store.get(VERSION_KEY))
+    for key in ("torch", "fastdist"):
+        if theirs.get(key) != mine[key]:
+            raise RendezvousConnectionError(
+                cause="version_mismatch", address=host, port=port, attempts=1, elapsed=time.monotonic() - t0,
+                detail=f"rank 0 runs {key} {theirs.get(key)}, rank {rank} runs {mine[key]}",
+            )
+    if theirs.get("world_size") != world_size:
+        raise RendezvousConnectionError(
+            cause="world_size_mismatch", address=host, port=port, attempts=1, elapsed=time.monotonic() - t0,
+            detail=f"rank 0 was started with world size {theirs.get('world_size')}, rank {rank} with {world_size}",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The rendezvous
+
+
+def rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, prefix: str = "fastdist/rdzv") -> None:
+    """Every rank announces itself in ``store`` and waits for the others, within ``rdzv``:
+
+    - the call closes ``rdzv`` if it is open, which starts its countdown of ``rdzv.timeout``
+      seconds; a rank waits that long, plus ``rdzv.last_call``, for the others;
+    - ranks may join until ``rdzv.join`` seconds after this rank started (default: until the
+      countdown ends); then the rendezvous is closed and a rank that turns up after that gets
+      :class:`RendezvousClosedError` at once;
+    - if ranks are still missing when joining ends, every waiting rank raises
+      :class:`RendezvousTimeoutError` naming how many of how many joined and which are missing.
+
+    ``rdzv.heartbeat`` is how often a waiting rank looks at the store (default 10 ms).
+    """
+    start = current_time()
+    ends = rdzv.close() + (rdzv.last_call or 0.0)
+    join_end = min(start + rdzv.join, ends) if rdzv.join is not None else ends
+    poll = rdzv.heartbeat or 0.01
+    count_key, closed_key = f"{prefix}/count", f"{prefix}/closed"
+    if store.check([closed_key]):
+        raise RendezvousClosedError(rank=rank, joined=int(store.add(count_key, 0)), world_size=world_size)
+    store.set(f"{prefix}/rank/{rank}", "1")
+    count = store.add(count_key, 1)
+    while count < world_size:
+        if current_time() >= join_end:
+            store.set(closed_key, "1")  # nobody can join any more: whoever is missing now stays out
+            count = store.add(count_key, 0)
+            if count >= world_size:
+                break
+            missing = [r for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
+            raise RendezvousTimeoutError(
+                rank=rank, joined=world_size - len(missing), world_size=world_size, missing_ranks=missing,
+                elapsed=current_time() - start,
+            )
+        time.sleep(poll)
+        count = store.add(count_key, 0)
+    store.set(closed_key, "1")
