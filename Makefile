@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine with Python 3.9+ and a C++ compiler:
 #   make demo    set up .venv (torch==2.13.0 unless the venv has a torch), build, run the demo
 #   make test    same set-up, then the whole test suite
+#   make bench   same set-up, then bench/ (results in bench/results/)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q ".[test]"
+	$(PY) -m pip install -q ".[test,bench]"
 	touch $@
 
 demo: setup
@@ -23,8 +24,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
+# The benchmarks (about 4 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.
 bench: setup
-	$(PY) -m pytest bench -p no:randomly --benchmark-only --benchmark-json=bench/results/latest.json
+	mkdir -p bench/results
+	$(PY) -m pytest bench -q -s -o addopts="" --benchmark-json=bench/results/latest.json
+	$(PY) bench/report.py bench/results/latest.json
 
 clean:
 	rm -rf build $(VENV)

@@ -812,3 +812,34 @@ def rdzv_init(ctx) -> None:
         ctx.record("no_error")
     except fastdist.RendezvousTimeoutError as e:
         ctx.record("rdzv_timeout", elapsed=time.monotonic() - t0, missing=e.missing_ranks, joined=e.joined, message=str(e))
+
+
+def bench_detection(ctx) -> None:
+    """For bench/: time from the deadline to the error in the caller over N hangs on a 2-rank
+    subgroup, with the missing-rank report (the default) and without it."""
+    import os
+    import statistics
+
+    from fastdist import diagnostics
+
+    ctx.init()
+    n = int(os.environ.get("FASTDIST_BENCH_HANGS", "50"))
+    timeout = 0.2
+    sub = dist.new_group([0, 1])
+    out = {}
+    for mode in ("with_report", "without_report"):
+        if mode == "without_report":
+            diagnostics.report = lambda *a, **k: None  # what a timeout costs before any store traffic
+        late = []
+        for _ in range(n):
+            if ctx.rank == 0:
+                start = fastdist.current_time()
+                try:
+                    fastdist.barrier(sub, timeout=timeout)
+                except CollectiveTimeoutError:
+                    late.append(fastdist.current_time() - (start + timeout))
+            sub = fastdist.recover(sub, timeout=30)
+        if late:
+            late.sort()
+            out[mode] = {"median_ms": statistics.median(late) * 1e3, "p99_ms": late[min(len(late) - 1, int(0.99 * len(late)))] * 1e3, "n": len(late)}
+    ctx.record("detection", **out)

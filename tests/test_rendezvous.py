@@ -203,7 +203,12 @@ def test_init_process_group_rendezvous_names_the_rank_that_never_came() -> None:
 
     results = run_ranks("rdzv_init", 3, absent=(2,), env={"FASTDIST_RDZV_PORT": str(_free_port())})
     info = describe(results)
+    elapsed = []
     for r in results[:2]:
         assert r.returncode == 0, info
         rec = r.record("rdzv_timeout")
-        assert rec["missing"] == [2] and rec["joined"] == 2 and 1.5 <= rec["elapsed"] < 3.0, info
+        assert rec["missing"] == [2] and rec["joined"] == 2, info
+        elapsed.append(rec["elapsed"])
+    # The first rank whose countdown ends closes the rendezvous for all: the other raises then,
+    # a little before its own countdown would have ended (by how much later it started).
+    assert 1.5 <= max(elapsed) < 3.0 and min(elapsed) >= 1.0, info

@@ -93,7 +93,10 @@ def init_process_group(
     if rdzv is not None:
         if store is None:
             raise ValueError("rendezvous_timeout needs env://, tcp:// or a store")
-        rdzv_mod.rendezvous(store, -1 if rank is None else rank, -1 if world_size is None else world_size, rdzv)
+        rdzv_mod.rendezvous(
+            store, -1 if rank is None else rank, -1 if world_size is None else world_size, rdzv,
+            hosts_store=target is not None and rank == 0,
+        )
     dist.init_process_group(
         backend=backend, init_method=init_method, timeout=td, store=store,
         rank=-1 if rank is None else rank, world_size=-1 if world_size is None else world_size, **kwargs,

@@ -213,7 +213,7 @@ def check_versions(store: Any, rank: int, world_size: int, host: str, port: int,
 # The rendezvous
 
 
-def rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, prefix: str = "fastdist/rdzv") -> None:
+def rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, prefix: str = "fastdist/rdzv", hosts_store: bool = False) -> None:
     """Every rank announces itself in ``store`` and waits for the others, within ``rdzv``:
 
     - the call closes ``rdzv`` if it is open, which starts its countdown of ``rdzv.timeout``
@@ -224,8 +224,24 @@ def rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, 
     - if ranks are still missing when joining ends, every waiting rank raises
       :class:`RendezvousTimeoutError` naming how many of how many joined and which are missing.
 
-    ``rdzv.heartbeat`` is how often a waiting rank looks at the store (default 10 ms).
+    ``rdzv.heartbeat`` is how often a waiting rank looks at the store (default 10 ms). The rank
+    that serves the store (``hosts_store``) waits, briefly, until the others have read the
+    outcome before it raises: its exit would take the store away from them.
     """
+    try:
+        _rendezvous(store, rank, world_size, rdzv, prefix, hosts_store)
+    except (RendezvousTimeoutError, RendezvousClosedError):
+        raise
+    except Exception as exc:  # the store went away: its host (rank 0) exited or crashed
+        if hosts_store or "DistNetworkError" not in type(exc).__name__ and "DistError" not in type(exc).__name__:
+            raise
+        raise RendezvousConnectionError(
+            cause="refused", address="the store", port=0, attempts=1, elapsed=0.0,
+            detail=f"rank 0's store went away during the rendezvous ({str(exc).strip().splitlines()[0]})",
+        ) from None
+
+
+def _rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, prefix: str, hosts_store: bool) -> None:
     start = current_time()
     ends = rdzv.close() + (rdzv.last_call or 0.0)
     join_end = min(start + rdzv.join, ends) if rdzv.join is not None else ends
@@ -236,16 +252,22 @@ def rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, 
     store.set(f"{prefix}/rank/{rank}", "1")
     count = store.add(count_key, 1)
     while count < world_size:
-        if current_time() >= join_end:
+        if current_time() >= join_end or store.check([f"{prefix}/outcome"]):
             store.set(closed_key, "1")  # nobody can join any more: whoever is missing now stays out
             count = store.add(count_key, 0)
             if count >= world_size:
                 break
             missing = [r for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
-            raise RendezvousTimeoutError(
-                rank=rank, joined=world_size - len(missing), world_size=world_size, missing_ranks=missing,
-                elapsed=current_time() - start,
-            )
+            # The first rank to decide writes the outcome; everyone reports that one.
+            missing = json.loads(store.compare_set(f"{prefix}/outcome", "", json.dumps(missing)))
+            read = store.add(f"{prefix}/read", 1)
+            joined = world_size - len(missing)
+            if hosts_store:
+                end = current_time() + 2.0
+                while read < joined and current_time() < end:
+                    time.sleep(poll)
+                    read = store.add(f"{prefix}/read", 0)
+            raise RendezvousTimeoutError(rank=rank, joined=joined, world_size=world_size, missing_ranks=missing, elapsed=current_time() - start)
         time.sleep(poll)
         count = store.add(count_key, 0)
     store.set(closed_key, "1")

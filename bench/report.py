@@ -1,0 +1,136 @@
+"""Turns a pytest-benchmark JSON (``make bench`` writes bench/results/latest.json) into
+bench/results/summary.md (the tables the README shows) and bench/results/overview.png."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _by_name(data: dict) -> dict[str, dict]:
+    return {b["name"]: b for b in data["benchmarks"]}
+
+
+def _median_ns(b: dict) -> float:
+    return b["stats"]["median"] * 1e9
+
+
+def build(data: dict) -> tuple[str, dict]:
+    b = _by_name(data)
+    lines: list[str] = []
+    plot: dict = {}
+
+    lines += ["### Fast path: 2 gloo ranks, interleaved with raw torch.distributed (goal <= 1.05)", "",
+              "| call | raw torch | fastdist | ratio of medians | added |", "|---|---|---|---|---|"]
+    for op in ("barrier", "all_reduce_1", "all_reduce_1mb", "all_gather_1", "all_gather_1mb"):
+        x = b.get(f"test_collective_overhead[{op}]", {}).get("extra_info")
+        if x:
+            lines.append(f"| {op} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | {x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |")
+            plot.setdefault("overhead", {})[op] = x["ratio_of_medians"]
+    x = b.get("test_checks_cost", {}).get("extra_info")
+    if x:
+        lines += ["", f"FASTDIST_CHECK=1 on a 1-element all_reduce: {x['unchecked_median_us']:.0f} us -> {x['checked_median_us']:.0f} us (x{x['ratio']:.1f})."]
+
+    timers = [("fastdist engine", "test_fastdist_engine"), ("asyncio call_later (loop thread)", "test_asyncio_call_later_on_a_loop_thread"),
+              ("torchft context_timeout", "test_torchft_context_timeout"), ("torchft future_timeout", "test_torchft_future_timeout"),
+              ("threading.Timer", "test_threading_timer")]
+    have = [(label, _median_ns(b[name])) for label, name in timers if name in b]
+    if have:
+        ours = dict(have).get("fastdist engine")
+        lines += ["", "### One deadline, register + cancel (goal: >= 20x cheaper than torchft)", "",
+                  "| timer | median | vs fastdist |", "|---|---|---|"]
+        for label, ns in have:
+            lines.append(f"| {label} | {ns / 1000:.2f} us | {ns / ours:.0f}x |" if ours else f"| {label} | {ns / 1000:.2f} us | |")
+        plot["timers"] = have
+
+    x = b.get("test_detection_latency", {}).get("extra_info")
+    if x:
+        lines += ["", "### Detection: deadline -> error in the caller, 50 hangs (goal: median <= 20 ms without the report)", "",
+                  "| | median | p99 |", "|---|---|---|"]
+        for mode in ("without_report", "with_report"):
+            lines.append(f"| {mode.replace('_', ' ')} | {x[mode]['median_ms']:.1f} ms | {x[mode]['p99_ms']:.1f} ms |")
+        plot["detection"] = x
+
+    rec = [(b[k]["extra_info"]) for k in sorted(b) if k.startswith("test_recovery_vs_restart")]
+    if rec:
+        lines += ["", "### Recovery: timeout -> working group, against a restart (goal >= 5x)", "",
+                  "| ranks | recovery | restart | speedup |", "|---|---|---|---|"]
+        for x in sorted(rec, key=lambda r: r["world_size"]):
+            lines.append(f"| {x['world_size']} | {x['recovery_s'] * 1000:.0f} ms | {x['restart_s'] * 1000:.0f} ms | {x['speedup']:.0f}x |")
+        plot["recovery"] = rec
+
+    scale = [b[k] for k in sorted(b) if k.startswith("test_register_cancel_with_pending")]
+    if scale:
+        lines += ["", "### Scale (goals: flat cost, <= 256 bytes per pending deadline, 0 idle wake-ups)", "",
+                  "| pending | register + cancel | bytes per pending (RSS) |", "|---|---|---|"]
+        for s in sorted(scale, key=lambda s: s["extra_info"]["pending"]):
+            n = s["extra_info"]["pending"]
+            mem = f"{s['extra_info']['bytes_per_pending']:.0f}" if n >= 100_000 else "(below page granularity)"
+            lines.append(f"| {n:,} | {_median_ns(s):.0f} ns | {mem} |")
+    idle = b.get("test_idle_wakeups_per_second", {}).get("extra_info")
+    if idle:
+        lines.append(f"\nIdle timer wake-ups: {idle['idle_wakeups_per_second']:.2f}/s with {idle['pending']} deadlines pending.")
+    reap = [b[k]["extra_info"] for k in sorted(b) if k.startswith("test_reaping_cost")]
+    for x in reap:
+        lines.append(f"\nReaping on the NCCL path ({x['backend']}): {x['reap_per_op_us']:.2f} us per op at {x['inflight']:,} in flight (goal <= 1 us).")
+    machine = data.get("machine_info", {})
+    lines += ["", f"Measured on {machine.get('cpu', {}).get('brand_raw', 'this machine')} ({machine.get('cpu', {}).get('count', '?')} cores), "
+              f"Python {machine.get('python_version', '?')}; `make bench`."]
+    return "\n".join(lines) + "\n", plot
+
+
+def draw(plot: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    if "overhead" in plot:
+        ax = axes[0]
+        names, ratios = zip(*plot["overhead"].items())
+        ax.bar(names, ratios, color="#4c72b0")
+        ax.axhline(1.05, color="#c44e52", linestyle="--", label="goal 1.05")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_ylim(0.8, max(1.3, max(ratios) + 0.05))
+        ax.set_title("fastdist / raw torch, median (2 gloo ranks)")
+        ax.tick_params(axis="x", rotation=30)
+        ax.legend()
+    if "timers" in plot:
+        ax = axes[1]
+        labels, ns = zip(*plot["timers"])
+        ax.barh(labels, [v / 1000 for v in ns], color=["#55a868"] + ["#8172b2"] * (len(ns) - 1))
+        ax.set_xscale("log")
+        ax.set_xlabel("us per register + cancel (log)")
+        ax.set_title("one deadline")
+    if "recovery" in plot:
+        ax = axes[2]
+        rec = sorted(plot["recovery"], key=lambda r: r["world_size"])
+        xs = [r["world_size"] for r in rec]
+        ax.bar([x - 0.2 for x in xs], [r["recovery_s"] * 1000 for r in rec], 0.4, label="fastdist.recover()")
+        ax.bar([x + 0.2 for x in xs], [r["restart_s"] * 1000 for r in rec], 0.4, label="restart the ranks")
+        ax.set_xticks(xs)
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("ms from timeout to a working group")
+        ax.set_title("recovery vs restart")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str]) -> int:
+    src = Path(argv[1]) if len(argv) > 1 else HERE / "results" / "latest.json"
+    data = json.loads(src.read_text())
+    text, plot = build(data)
+    out = src.parent
+    (out / "summary.md").write_text(text)
+    draw(plot, out / "overview.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
