@@ -95,7 +95,7 @@ def draw(plot: dict, path: Path) -> None:
         ax.bar(names, ratios, color="#4c72b0")
         ax.axhline(1.05, color="#c44e52", linestyle="--", label="goal 1.05")
         ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_ylim(0.8, max(1.3, max(ratios) + 0.05))
+        ax.set_ylim(min(0.8, min(ratios) - 0.05), max(1.3, max(ratios) + 0.05))
         ax.set_title("fastdist / raw torch, median (2 gloo ranks)")
         ax.tick_params(axis="x", rotation=30)
         ax.legend()
