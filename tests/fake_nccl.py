@@ -11,11 +11,9 @@ dead group, recover, reaping); multi-rank NCCL behaviour is for tests/gpu on rea
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 from torch.futures import Future
 

@@ -394,7 +394,7 @@ def store_quiet_and_async_handler_exit(ctx) -> None:
     fastdist.barrier(timeout=20)
     before = counting.ops
     t = torch.ones(4)
-    for i in range(25):
+    for _ in range(25):
         fastdist.all_reduce(t, timeout=20)
         fastdist.barrier(timeout=20)
         fastdist.broadcast(t, src=0, timeout=20)
@@ -444,7 +444,7 @@ def leak_cycles(ctx) -> None:
 
     ctx.init()
     counts = []
-    for cycle in range(20):
+    for _ in range(20):
         if ctx.rank == 0:
             try:
                 fastdist.barrier(timeout=0.3)

@@ -206,7 +206,7 @@ def test_many_threads_registering_and_cancelling_stay_correct() -> None:
             elif r < 0.6:
                 t.complete()
             mine.append((key, t))
-        for key, t in mine:
+        for _key, t in mine:
             t.wait(5)
         with lock:
             outcomes.extend((key, t.state) for key, t in mine)

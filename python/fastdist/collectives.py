@@ -702,7 +702,7 @@ def _p2p(op: str, tensor: torch.Tensor, peer: Optional[int], group: Any, tag: in
     deadline = effective_deadline(timeout, start)
     _check_tensor(tensor, "tensor")
     name = "dst" if op in ("send", "isend") else "src"
-    if peer is not None:
+    if peer is not None or name == "dst":
         _check_rank(peer, name)
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"tag must be an int, got {type(tag).__name__}: {tag!r}")
@@ -711,6 +711,7 @@ def _p2p(op: str, tensor: torch.Tensor, peer: Optional[int], group: Any, tag: in
 
     def issue(pg: Any, _opts: Any) -> Any:
         if op in ("send", "isend"):
+            assert peer is not None  # checked above
             return pg.send([t], _group_rank(pg, peer, name), tag)
         if peer is None:
             w = pg.recv_anysource([t], tag)

@@ -106,7 +106,7 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, hang: int,
     start = time.monotonic()
     try:
         fastdist.barrier(timeout=timeout)
-        result = {"outcome": "returned"}
+        result: dict[str, Any] = {"outcome": "returned"}
     except fastdist.CollectiveTimeoutError as e:
         elapsed = time.monotonic() - start
         say(f"CollectiveTimeoutError after {elapsed:.3f} s: {e}")

@@ -61,7 +61,7 @@ def report(st: Any, op: str, seq: int, state: str, budget: float, until: Optiona
         while count < st.size and time.monotonic() < end:
             time.sleep(_POLL_SECONDS)
             count = store.add(f"{prefix}/count", 0)
-        records = {}
+        records: dict[int, dict[str, Any]] = {}
         for r in range(st.size):
             key = f"{prefix}/status/{r}"
             if r == st.rank:

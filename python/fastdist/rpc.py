@@ -57,7 +57,9 @@ def init_rpc(name: str, *, rank: int, world_size: int, rpc_timeout: float = 60.0
         raise ValueError(f"rank must be less than world_size ({world_size}), got {rank}")
     seconds = validate_seconds(rpc_timeout, "rpc_timeout")
     backend_options = _rpc.TensorPipeRpcBackendOptions(rpc_timeout=0 if math.isinf(seconds) else seconds, **options)
-    _rpc.init_rpc(name, backend=_rpc.BackendType.TENSORPIPE, rank=rank, world_size=world_size, rpc_backend_options=backend_options)
+    _rpc.init_rpc(  # type: ignore[no-untyped-call]
+        name, backend=_rpc.BackendType.TENSORPIPE, rank=rank, world_size=world_size, rpc_backend_options=backend_options,  # type: ignore[attr-defined]
+    )
     _default_timeout = seconds
 
 
