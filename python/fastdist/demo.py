@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summarize(results: dict[int, dict[str, Any]], hang: int, timeout: float) -> int:
-    print("\nrank  outcome                  detected after  past the deadline")
+    print("\nrank  outcome                  detected after  past the deadline (with the report)")
     ok = True
     for rank, res in sorted(results.items()):
         if res["outcome"] == "CollectiveTimeoutError":
@@ -76,7 +76,8 @@ def _summarize(results: dict[int, dict[str, Any]], hang: int, timeout: float) ->
             print(f"{rank:>4}  {res['outcome']:<24}")
             ok = False
     print(f"{hang:>4}  hung (never entered the barrier)")
-    print("\nEvery waiting rank got a typed, catchable error at its deadline instead of hanging."
+    print("\nEvery waiting rank got a typed, catchable error at its deadline instead of hanging, naming the"
+          "\nmissing rank. The report waits min(1 s, 10% of the timeout) for the missing rank's status."
           if ok else "\nUNEXPECTED: not every waiting rank detected the hang in time.")
     return 0 if ok else 1
 
