@@ -1,5 +1,7 @@
 #include "executor.h"
 
+#include <cxxabi.h>
+
 #include <cstdio>
 #include <exception>
 #include <new>
@@ -35,6 +37,10 @@ void Executor::loop(std::shared_ptr<State> st) {
     lk.unlock();
     try {
       action();
+    } catch (abi::__forced_unwind&) {
+      // The thread is being ended (pthread_exit: Python ends a thread that wants the GIL once the
+      // interpreter is finalizing). That must unwind through here, or the process aborts.
+      throw;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fastdist: a deadline action failed: %s\n", e.what());
     } catch (...) {

@@ -290,8 +290,16 @@ def test_interpreter_exit_with_pending_tokens_neither_hangs_nor_crashes() -> Non
         f = _core.Engine(fake_clock=True)
         keep = [d.add(d.now() + 3600, lambda: print("never")) for _ in range(1000)]
         keep += [f.add(10.0, lambda: print("never")) for _ in range(1000)]
-        # An action that is running (and sleeping, GIL released) when the interpreter exits.
-        keep.append(d.add(d.now() + 0.01, lambda: time.sleep(0.5)))
+        # An action that is running (and sleeping, GIL released) when the interpreter exits, and
+        # wakes while it finalizes: Python then ends its thread from inside the engine's
+        # executor, which must let that unwinding through instead of aborting the process.
+        keep.append(d.add(d.now() + 0.01, lambda: time.sleep(0.3)))
+
+        class SlowTeardown:
+            def __del__(self):
+                time.sleep(0.6)  # runs during finalization, GIL released while it sleeps
+
+        slow = SlowTeardown()
         time.sleep(0.05)
         print("bye")
         """

@@ -25,15 +25,20 @@ class PyAction {
  public:
   explicit PyAction(py::object fn) : fn_(new py::object(std::move(fn)), &release) {}
 
+  // Plain C API with no RAII on purpose: if the interpreter starts finalizing while the action
+  // runs, Python ends this thread from inside the call by unwinding it (pthread_exit). Nothing
+  // on the way out may touch Python then, as pybind11's guards and handles would.
   void operator()() const {
     if (python_finalizing()) return;
-    py::gil_scoped_acquire gil;
-    try {
-      (*fn_)();
-    } catch (py::error_already_set& e) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* result = PyObject_CallObject(fn_->ptr(), nullptr);
+    if (result == nullptr) {
       // An action has no caller to raise to: report it like an exception in a __del__.
-      e.discard_as_unraisable("fastdist deadline action");
+      PyErr_WriteUnraisable(fn_->ptr());
+    } else {
+      Py_DECREF(result);
     }
+    PyGILState_Release(gil);
   }
 
  private:
