@@ -74,10 +74,22 @@ def wait_until(work: Any, deadline: float) -> tuple[bool, _core.Token, bool]:
     and whether the work has a future. For work with a future the result is not inspected; for
     work without one (gloo send/recv) torch's wait already raised any error, and calling its
     ``wait()`` again would wait for a second completion that never comes."""
-    token, callback = watch(work, deadline)
+    # Every blocking collective runs this: it is watch() inlined, with as few calls as possible.
+    if not _exit_hook_registered:
+        _register_exit_hook()
+    token = engine().add(deadline)
+    callback = None
     finished = False
     try:
-        if callback is not None:
+        try:
+            fut = work.get_future()
+        except AttributeError:
+            fut = work  # already a Future
+        except RuntimeError:  # "Work::getFuture not implemented" (gloo send/recv)
+            fut = None
+        if fut is not None:
+            callback = token.notifier()
+            fut.add_done_callback(callback)
             finished = token.wait() == COMPLETED
         else:
             finished = _wait_without_future(work, deadline)

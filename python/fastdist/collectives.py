@@ -70,15 +70,17 @@ _OPTIONS_STEP_MS = 10
 _options_cache: dict[tuple[Any, ...], Any] = {}
 
 
-def _options(kind: type, deadline: float, now: float, **fields: Any) -> Any:
-    """A ``kind`` (e.g. ``AllgatherOptions``) whose timeout makes the backend give up
-    ``backend_grace`` after ``deadline``; for no deadline, the group's own default applies."""
+def _options(kind: type, deadline: float, now: float, fields: tuple[tuple[str, Any], ...] = ()) -> Any:
+    """A ``kind`` (e.g. ``AllgatherOptions``) with ``fields`` set, whose timeout makes the backend
+    give up ``backend_grace`` after ``deadline``; for no deadline, the group's own default."""
     if deadline == math.inf:
         ms = -1
     else:
         budget = deadline - now
-        ms = math.ceil((budget + backend_grace(budget)) * 1000 / _OPTIONS_STEP_MS) * _OPTIONS_STEP_MS
-    key: Any = (kind, ms, *fields.items()) if fields else (kind, ms)
+        grace = 0.1 * budget  # backend_grace(), inlined: this runs on every call
+        grace = 0.1 if grace < 0.1 else (1.0 if grace > 1.0 else grace)
+        ms = math.ceil((budget + grace) * (1000 / _OPTIONS_STEP_MS)) * _OPTIONS_STEP_MS
+    key: Any = (kind, ms, fields)
     try:
         opts = _options_cache.get(key)
     except TypeError:  # an unhashable field (e.g. a premul-sum ReduceOp): no caching
@@ -87,7 +89,7 @@ def _options(kind: type, deadline: float, now: float, **fields: Any) -> Any:
         opts = kind()
         if ms >= 0:
             opts.timeout = datetime.timedelta(milliseconds=ms)
-        for name, value in fields.items():
+        for name, value in fields:
             setattr(opts, name, value)
         if key is not None and len(_options_cache) < 1024:
             _options_cache[key] = opts
@@ -164,7 +166,7 @@ def _run(
     kind: Optional[type],
     signature: Callable[[], str],
     async_op: bool = False,
-    fields: Optional[dict[str, Any]] = None,
+    fields: tuple[tuple[str, Any], ...] = (),
 ) -> Any:
     """Issues one op through ``issue(pg, options)`` and waits for it until ``deadline`` (or
     returns a :class:`Work` for ``async_op``). Returns what ``issue``'s work produced, or None
@@ -181,7 +183,7 @@ def _run(
     if now >= deadline:
         # This rank skips the collective its peers will make, so the group is out of step.
         _fail(_timed_out(pg, st, op, seq, start, deadline, cause="the deadline had passed before the call"))
-    opts = None if kind is None else (_options(kind, deadline, now, **fields) if fields else _options(kind, deadline, now))
+    opts = None if kind is None else _options(kind, deadline, now, fields)
     work = issue(pg, opts)
     if async_op:
         return Work(op, pg, st, seq, work, start, deadline)
@@ -538,7 +540,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, 
     def issue(pg: Any, opts: Any) -> Any:
         return pg.allreduce([t], opts)
 
-    return _result(_run("all_reduce", group, start, deadline, issue, AllreduceOptions, lambda: f"{_sig(tensor)}, {op}", async_op, {"reduceOp": op}), async_op)
+    return _result(_run("all_reduce", group, start, deadline, issue, AllreduceOptions, lambda: f"{_sig(tensor)}, {op}", async_op, (("reduceOp", op),)), async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
@@ -551,7 +553,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = 
     t = _real(tensor)
 
     def issue(pg: Any, opts: Any) -> Any:
-        opts = _options(ReduceOptions, deadline, current_time(), reduceOp=op, rootRank=_group_rank(pg, dst, "dst"), rootTensor=0)
+        opts = _options(ReduceOptions, deadline, current_time(), (("reduceOp", op), ("rootRank", _group_rank(pg, dst, "dst")), ("rootTensor", 0)))
         return pg.reduce([t], opts)
 
     return _result(_run("reduce", group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, dst={dst}, {op}", async_op), async_op)
@@ -567,7 +569,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
     t = _real(tensor)
 
     def issue(pg: Any, opts: Any) -> Any:
-        opts = _options(BroadcastOptions, deadline, current_time(), rootRank=_group_rank(pg, src, "src"), rootTensor=0)
+        opts = _options(BroadcastOptions, deadline, current_time(), (("rootRank", _group_rank(pg, src, "src")), ("rootTensor", 0)))
         return pg.broadcast([t], opts)
 
     return _result(_run("broadcast", group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, src={src}", async_op), async_op)
@@ -599,7 +601,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     def issue(pg: Any, opts: Any) -> Any:
         return pg.reduce_scatter([output], [input_list], opts)
 
-    return _result(_run("reduce_scatter", group, start, deadline, issue, ReduceScatterOptions, lambda: f"{_sig(output, input_list)}, {op}", async_op, {"reduceOp": op}), async_op)
+    return _result(_run("reduce_scatter", group, start, deadline, issue, ReduceScatterOptions, lambda: f"{_sig(output, input_list)}, {op}", async_op, (("reduceOp", op),)), async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
@@ -613,7 +615,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     def issue(pg: Any, opts: Any) -> Any:
         return pg._reduce_scatter_base(output, input, opts)
 
-    return _result(_run("reduce_scatter_tensor", group, start, deadline, issue, ReduceScatterOptions, lambda: f"{_sig(output, input)}, {op}", async_op, {"reduceOp": op}), async_op)
+    return _result(_run("reduce_scatter_tensor", group, start, deadline, issue, ReduceScatterOptions, lambda: f"{_sig(output, input)}, {op}", async_op, (("reduceOp", op),)), async_op)
 
 
 def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]] = None, dst: int = 0, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
@@ -629,7 +631,7 @@ def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]] = Non
 
     def issue(pg: Any, opts: Any) -> Any:
         root = _group_rank(pg, dst, "dst")
-        opts = _options(GatherOptions, deadline, current_time(), rootRank=root)
+        opts = _options(GatherOptions, deadline, current_time(), (("rootRank", root),))
         if pg.rank() == root:
             if gather_list is None or len(gather_list) != pg.size():
                 raise ValueError(f"gather_list must hold one tensor per rank of the group ({pg.size()}) on dst")
@@ -652,7 +654,7 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]] = N
 
     def issue(pg: Any, opts: Any) -> Any:
         root = _group_rank(pg, src, "src")
-        opts = _options(ScatterOptions, deadline, current_time(), rootRank=root)
+        opts = _options(ScatterOptions, deadline, current_time(), (("rootRank", root),))
         if pg.rank() == root:
             if scatter_list is None or len(scatter_list) != pg.size():
                 raise ValueError(f"scatter_list must hold one tensor per rank of the group ({pg.size()}) on src")
