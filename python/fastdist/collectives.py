@@ -100,15 +100,17 @@ def _options(kind: type, deadline: float, now: float, fields: tuple[tuple[str, A
 # Errors
 
 
-def _report_error(st: Any, op: str, seq: int, start: float, deadline: float, state: str, cause: Optional[str] = None) -> CollectiveTimeoutError:
-    budget = deadline - start
-    rep = diagnostics.report(st, op, seq, state, budget)
-    prev = st.prev_op_of(seq)
+def _timeout_error(st: Any, op: str, seq: int, start: float, deadline: float, rep: Optional[diagnostics.Report], cause: Optional[str] = None) -> CollectiveTimeoutError:
     return CollectiveTimeoutError(
-        op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name, timeout=budget,
+        op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name, timeout=deadline - start,
         elapsed=current_time() - start, missing_ranks=None if rep is None else rep.missing,
-        desynced=None if rep is None else rep.desynced, last_seen=prev, cause=cause,
+        desynced=None if rep is None else rep.desynced, last_seen=st.prev_op_of(seq), cause=cause,
     )
+
+
+def _report_error(st: Any, op: str, seq: int, start: float, deadline: float, state: str, cause: Optional[str] = None) -> CollectiveTimeoutError:
+    """The timeout error with the who-is-missing report (see diagnostics)."""
+    return _timeout_error(st, op, seq, start, deadline, diagnostics.report(st, op, seq, state, deadline - start), cause)
 
 
 def _timed_out(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, token: Any = None, cause: Optional[str] = None) -> CollectiveTimeoutError:
@@ -133,12 +135,7 @@ def _backend_failed(pg: Any, st: Any, op: str, seq: int, start: float, deadline:
     rep = diagnostics.report(st, op, seq, "aborted", deadline - start, until=until)
     started_wall = time.time() - (current_time() - start)
     if rep is not None and rep.timed_out and rep.first_timeout_wall is not None and rep.first_timeout_wall > started_wall:
-        cause = f"rank {min(rep.timed_out)} timed out first and closed the group"
-        err: BaseException = CollectiveTimeoutError(
-            op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name, timeout=deadline - start,
-            elapsed=current_time() - start, missing_ranks=rep.missing, desynced=rep.desynced,
-            last_seen=st.prev_op_of(seq), cause=cause,
-        )
+        return _timeout_error(st, op, seq, start, deadline, rep, f"rank {min(rep.timed_out)} timed out first and closed the group")
     else:
         if rep is not None and rep.timed_out:
             why = f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
@@ -149,8 +146,7 @@ def _backend_failed(pg: Any, st: Any, op: str, seq: int, start: float, deadline:
             why = "a peer exited or was killed"
         reason = f"{why}; {op} #{seq} failed: {text}"
         st.dead_reason = reason
-        err = GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-    return err
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,12 +225,7 @@ def _expire_polled(pg: Any, st: Any, op: str, seq: int, start: float, deadline: 
     """At the deadline on an NCCL-like group: mark it dead, abort its communicators (bounded),
     then assemble the report (the abort comes first: it stops the device work)."""
     _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
-    plain = CollectiveTimeoutError(
-        op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name, timeout=deadline - start,
-        elapsed=current_time() - start, missing_ranks=None, desynced=None, last_seen=st.prev_op_of(seq),
-        cause="aborting the communicators hung",
-    )
-    _polled.abort_group(pg, st.is_default, plain)
+    _polled.abort_group(pg, st.is_default, _timeout_error(st, op, seq, start, deadline, None, "aborting the communicators hung"))
     return _report_error(st, op, seq, start, deadline, "timed_out", "communicators aborted")
 
 
