@@ -1,14 +1,16 @@
-"""Waiting on torch work with a deadline, and fastdist's handle for ``async_op=True``.
+"""Waiting on torch work with a deadline.
 
 A torch ``Work`` (or ``torch.futures.Future``) is tied to an engine token: the future's
-done-callback is the token itself, so a waiter blocked in C++ (GIL released) wakes the moment
-the work ends, without polling, or when the engine expires the token at the deadline. gloo's
-point-to-point work has no future; it is waited on with torch's own GIL-free bounded wait.
+done-callback is the token's notifier (a small C++ object), so a waiter blocked in C++ (GIL
+released) wakes the moment the work ends, without polling, or when the engine expires the token
+at the deadline. gloo's point-to-point work has no future; it is waited on with torch's own
+GIL-free bounded wait. (NCCL's futures complete at enqueue time: see _polled.)
 
 Work abandoned at its deadline is still in flight, and its done-callback is Python code that
 torch will run on a backend thread when the work finally ends. If that happened during
 interpreter finalization the process would abort, so an exit hook gives abandoned work a bounded
 time to end first (for gloo it ends by itself shortly after the deadline, see ``backend_grace``).
+fastdist's handle for ``async_op=True`` is ``collectives.Work``.
 """
 
 from __future__ import annotations
