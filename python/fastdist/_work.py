@@ -79,30 +79,47 @@ def wait_until(work: Any, deadline: float) -> tuple[bool, _core.Token, bool]:
     # Every blocking collective runs this: it is watch() inlined, with as few calls as possible.
     if not _exit_hook_registered:
         _register_exit_hook()
-    token = engine().add(deadline)
-    callback = None
+    token = (_engine or _first_engine()).add(deadline)
+    try:
+        fut = work.get_future()
+    except AttributeError:
+        fut = work  # already a Future
+    except RuntimeError:  # "Work::getFuture not implemented" (gloo send/recv)
+        return _wait_posted(work, token, deadline)
+    callback = token.notifier()
+    fut.add_done_callback(callback)
+    try:
+        if token.wait() == COMPLETED:
+            return True, token, True
+    except BaseException:
+        token.cancel()
+        abandon(token, weakref.ref(callback))
+        raise
+    # Timed out: the work is still in flight; the exit hook must know about its callback.
+    abandon(token, weakref.ref(callback))
+    return False, token, True
+
+
+def _wait_posted(work: Any, token: _core.Token, deadline: float) -> tuple[bool, _core.Token, bool]:
     finished = False
     try:
-        try:
-            fut = work.get_future()
-        except AttributeError:
-            fut = work  # already a Future
-        except RuntimeError:  # "Work::getFuture not implemented" (gloo send/recv)
-            fut = None
-        if fut is not None:
-            callback = token.notifier()
-            fut.add_done_callback(callback)
-            finished = token.wait() == COMPLETED
-        else:
-            finished = _wait_without_future(work, deadline)
-            if finished:
-                token.complete()
-        return finished, token, callback is not None
+        finished = _wait_without_future(work, deadline)
+        return finished, token, False
     finally:
-        if not finished:
-            # Timed out or interrupted: the heap entry must not outlive the call.
+        if finished:
+            token.complete()
+        else:
             token.cancel()
-            abandon(token, None if callback is None else weakref.ref(callback))
+            abandon(token, None)
+
+
+_engine: Optional[_core.Engine] = None
+
+
+def _first_engine() -> _core.Engine:
+    global _engine
+    _engine = engine()
+    return _engine
 
 
 def _wait_without_future(work: Any, deadline: float) -> bool:

@@ -35,7 +35,7 @@ from torch.distributed.distributed_c10d import (
     ScatterOptions,
 )
 
-from . import _checks, _groups, _polled, diagnostics
+from . import _checks, _core, _groups, _polled, diagnostics
 from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline, engine, run_timeout_handler
 from ._work import COMPLETED, EXPIRED, PENDING, abandon, exit_process, wait_until, watch
 from .errors import CollectiveTimeoutError, GroupAbortedError
@@ -45,6 +45,9 @@ __all__ = [
     "barrier", "batch_isend_irecv", "broadcast", "gather", "irecv", "isend", "recv", "reduce",
     "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "wait",
 ]
+
+_world = dist.distributed_c10d._world
+_monotonic = _core.monotonic
 
 # What gloo says when its own per-call timeout fires, and when a peer closed the group.
 _BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
@@ -167,20 +170,27 @@ def _run(
     """Issues one op through ``issue(pg, options)`` and waits for it until ``deadline`` (or
     returns a :class:`Work` for ``async_op``). Returns what ``issue``'s work produced, or None
     for a process that is not in the group."""
-    pg = _groups.resolve(group)
+    # This is every collective's hot path: the common case (default group, alive, no checks,
+    # gloo) is written out with as few Python calls as possible. Each microsecond here costs
+    # several in a collective's latency when ranks share cores.
+    pg = _world.default_pg if group is None else _groups.resolve(group)
     if pg is None:
+        if group is None:
+            _groups.resolve(None)  # raises: the default group is not initialized
         return None
-    st = _groups.state_of(pg)
-    _groups.check_alive(st, op)
+    st = _groups._states.get(id(pg))
+    if st is None or st.ref() is not pg:
+        st = _groups.state_of(pg)
+    if st.dead_reason is not None:
+        _groups.check_alive(st, op)
     seq = st.begin(op)
     if _checks._enabled and not _checks.verify(st, op, seq, f"{op}({signature()})", deadline):
         _fail(_timed_out(pg, st, op, seq, start, deadline, cause="while comparing signatures (FASTDIST_CHECK)"))
-    now = current_time()
+    now = _monotonic()
     if now >= deadline:
         # This rank skips the collective its peers will make, so the group is out of step.
         _fail(_timed_out(pg, st, op, seq, start, deadline, cause="the deadline had passed before the call"))
-    opts = None if kind is None else _options(kind, deadline, now, fields)
-    work = issue(pg, opts)
+    work = issue(pg, None if kind is None else _options(kind, deadline, now, fields))
     if async_op:
         return Work(op, pg, st, seq, work, start, deadline)
     if st.polled:
@@ -192,11 +202,11 @@ def _run(
         _groups.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
         raise
     if finished:
-        try:
-            if has_future:
+        if has_future:
+            try:
                 work.wait()
-        except RuntimeError as exc:
-            _fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
+            except RuntimeError as exc:
+                _fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
         return work
     _fail(_timed_out(pg, st, op, seq, start, deadline, token=token))
 
@@ -471,9 +481,10 @@ def barrier(group: Any = None, *, timeout: TimeoutLike = None, raise_on_timeout:
     scope; ``None`` means :func:`get_default_timeout`. After a timeout the group is aborted and
     every later fastdist call on it raises :class:`GroupAbortedError` at once.
     """
-    start = current_time()
+    start = _monotonic()
     deadline = effective_deadline(timeout, start)
-    _check_bool(raise_on_timeout, "raise_on_timeout")
+    if raise_on_timeout is not True and raise_on_timeout is not False:
+        _check_bool(raise_on_timeout, "raise_on_timeout")
     try:
         _run("barrier", group, start, deadline, _issue_barrier, BarrierOptions, str)
     except CollectiveTimeoutError:
@@ -495,13 +506,18 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     After a timeout the tensors in ``tensor_list`` may still be written by the backend until
     its own timeout fires, :func:`backend_grace` later; do not reuse them before that.
     """
-    start = current_time()
+    start = _monotonic()
     deadline = effective_deadline(timeout, start)
-    _check_tensor_list(tensor_list, "tensor_list")
-    _check_tensor(tensor, "tensor")
-    _check_bool(async_op, "async_op")
+    if not isinstance(tensor_list, list):
+        _check_tensor_list(tensor_list, "tensor_list")
+    if not isinstance(tensor, torch.Tensor):
+        _check_tensor(tensor, "tensor")
+    if async_op is not False:
+        _check_bool(async_op, "async_op")
     dtype = tensor.dtype
-    for t in tensor_list:
+    for t in tensor_list:  # one pass: types (for the exact message) and dtypes
+        if not isinstance(t, torch.Tensor):
+            _check_tensor_list(tensor_list, "tensor_list")
         if t.dtype != dtype:
             raise ValueError(f"tensor_list must hold tensors of tensor's dtype ({dtype}), got {t.dtype}")
     if tensor.is_complex():
@@ -513,7 +529,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
             raise ValueError(f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got {len(tensor_list)}")
         return pg.allgather([tensor_list], [tensor], opts)
 
-    return _result(_run("all_gather", group, start, deadline, issue, AllgatherOptions, lambda: _sig(tensor, tensor_list), async_op), async_op)
+    work = _run("all_gather", group, start, deadline, issue, AllgatherOptions, lambda: _sig(tensor, tensor_list), async_op)
+    return work if async_op else None
 
 
 def _result(work: Any, async_op: bool) -> Optional[Work]:
@@ -522,16 +539,19 @@ def _result(work: Any, async_op: bool) -> Optional[Work]:
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
     """``torch.distributed.all_reduce`` with a deadline."""
-    start = current_time()
+    start = _monotonic()
     deadline = effective_deadline(timeout, start)
-    _check_tensor(tensor, "tensor")
-    _check_bool(async_op, "async_op")
-    t = _real(tensor)
+    if not isinstance(tensor, torch.Tensor):
+        _check_tensor(tensor, "tensor")
+    if async_op is not False:
+        _check_bool(async_op, "async_op")
+    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
     def issue(pg: Any, opts: Any) -> Any:
         return pg.allreduce([t], opts)
 
-    return _result(_run("all_reduce", group, start, deadline, issue, AllreduceOptions, lambda: f"{_sig(tensor)}, {op}", async_op, (("reduceOp", op),)), async_op)
+    work = _run("all_reduce", group, start, deadline, issue, AllreduceOptions, lambda: f"{_sig(tensor)}, {op}", async_op, (("reduceOp", op),))
+    return work if async_op else None
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
