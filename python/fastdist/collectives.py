@@ -545,7 +545,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, 
         _check_tensor(tensor, "tensor")
     if async_op is not False:
         _check_bool(async_op, "async_op")
-    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    t = _real(tensor)
 
     def issue(pg: Any, opts: Any) -> Any:
         return pg.allreduce([t], opts)
