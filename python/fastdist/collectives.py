@@ -632,47 +632,49 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
 def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]] = None, dst: int = 0, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
     """``torch.distributed.gather`` with a deadline (``dst`` is a global rank; ``gather_list``
     only on ``dst``)."""
-    start = current_time()
-    deadline = effective_deadline(timeout, start)
-    _check_tensor(tensor, "tensor")
-    _check_rank(dst, "dst")
-    if gather_list is not None:
-        _check_tensor_list(gather_list, "gather_list")
-    _check_bool(async_op, "async_op")
-
-    def issue(pg: Any, opts: Any) -> Any:
-        root = _group_rank(pg, dst, "dst")
-        opts = _options(GatherOptions, deadline, current_time(), (("rootRank", root),))
-        if pg.rank() == root:
-            if gather_list is None or len(gather_list) != pg.size():
-                raise ValueError(f"gather_list must hold one tensor per rank of the group ({pg.size()}) on dst")
-            return pg.gather([gather_list], [tensor], opts)
-        return pg.gather([], [tensor], opts)
-
-    return _result(_run("gather", group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, dst={dst}", async_op), async_op)
+    return _rooted("gather", GatherOptions, tensor, gather_list, dst, ("dst", "gather_list"), group, async_op, timeout,
+                   lambda pg, t, lst, opts: pg.gather(lst, [t], opts))
 
 
 def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]] = None, src: int = 0, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
     """``torch.distributed.scatter`` with a deadline (``src`` is a global rank;
     ``scatter_list`` only on ``src``)."""
+    return _rooted("scatter", ScatterOptions, tensor, scatter_list, src, ("src", "scatter_list"), group, async_op, timeout,
+                   lambda pg, t, lst, opts: pg.scatter([t], lst, opts))
+
+
+def _rooted(
+    op: str,
+    kind: type,
+    tensor: torch.Tensor,
+    tensors: Optional[list[torch.Tensor]],
+    root: int,
+    names: tuple[str, str],
+    group: Any,
+    async_op: bool,
+    timeout: TimeoutLike,
+    call: Callable[[Any, torch.Tensor, list[list[torch.Tensor]], Any], Any],
+) -> Optional[Work]:
+    """gather and scatter: one tensor per rank in a list that only the root rank gives."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
+    root_name, list_name = names
     _check_tensor(tensor, "tensor")
-    _check_rank(src, "src")
-    if scatter_list is not None:
-        _check_tensor_list(scatter_list, "scatter_list")
+    _check_rank(root, root_name)
+    if tensors is not None:
+        _check_tensor_list(tensors, list_name)
     _check_bool(async_op, "async_op")
 
-    def issue(pg: Any, opts: Any) -> Any:
-        root = _group_rank(pg, src, "src")
-        opts = _options(ScatterOptions, deadline, current_time(), (("rootRank", root),))
-        if pg.rank() == root:
-            if scatter_list is None or len(scatter_list) != pg.size():
-                raise ValueError(f"scatter_list must hold one tensor per rank of the group ({pg.size()}) on src")
-            return pg.scatter([tensor], [scatter_list], opts)
-        return pg.scatter([tensor], [], opts)
+    def issue(pg: Any, _opts: Any) -> Any:
+        root_rank = _group_rank(pg, root, root_name)
+        opts = _options(kind, deadline, current_time(), (("rootRank", root_rank),))
+        if pg.rank() != root_rank:
+            return call(pg, tensor, [], opts)
+        if tensors is None or len(tensors) != pg.size():
+            raise ValueError(f"{list_name} must hold one tensor per rank of the group ({pg.size()}) on {root_name}")
+        return call(pg, tensor, [tensors], opts)
 
-    return _result(_run("scatter", group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, src={src}", async_op), async_op)
+    return _result(_run(op, group, start, deadline, issue, None, lambda: f"{_sig(tensor)}, {root_name}={root}", async_op), async_op)
 
 
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
