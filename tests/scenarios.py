@@ -696,9 +696,25 @@ def gpu_nccl_timeout_and_recover(ctx) -> None:
         first_ok = time.monotonic() - t1
         results.append({"detected": detected, "past_deadline": detected - 1.0, "recover": recovered,
                         "first_ok_after_recover": first_ok, "value": t[0].item() / ctx.world_size, "message": message})
+    ctx.record("timeouts", results=results)
+    # An async handle and a barrier behind the same kind of stall: both honour their deadline.
+    for kind in ("async_all_reduce", "barrier"):
+        torch.cuda._sleep(int(rate * 3.0))
+        t0 = time.monotonic()
+        try:
+            if kind == "barrier":
+                fastdist.barrier(timeout=1.0)
+            else:
+                h = fastdist.all_reduce(t, async_op=True, timeout=1.0)
+                h.wait()
+            ctx.record("no_timeout", kind=kind)
+            return
+        except CollectiveTimeoutError as e:
+            ctx.record("stalled", kind=kind, detected=time.monotonic() - t0, message=str(e))
+        fastdist.recover(timeout=30)
     time.sleep(2.0)  # torch's watchdog must not kill the process after fastdist aborted
     assert fastdist.barrier(timeout=30)
-    ctx.record("timeouts", results=results)
+    ctx.record("alive_after", ok=True)
 
 
 def gpu_nccl_missing_rank(ctx) -> None:

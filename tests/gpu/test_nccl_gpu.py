@@ -39,12 +39,17 @@ def test_single_gpu_timeout_abort_and_recover() -> None:
     assert r.record("env")["mode"] == "2", info
     assert r.record("healthy")["value"] == 1.0, info
     runs = r.record("timeouts")["results"]
-    _save("gpu_timeouts.json", runs)
+    _save("gpu_timeouts.json", {"sync_all_reduce": runs, "stalled": [rec for rec in r.records if rec.get("event") == "stalled"]})
     for run in runs:
         # CollectiveTimeoutError within 1.5 s of the call for a 1 s timeout (the bound).
         assert 1.0 <= run["detected"] < 1.5, info
         assert run["value"] == 2.0, info
         assert "all_reduce" in run["message"] and "timed out after 1 s" in run["message"], info
+    stalled = {rec["kind"]: rec for rec in r.records if rec.get("event") == "stalled"}
+    assert set(stalled) == {"async_all_reduce", "barrier"}, info
+    for rec in stalled.values():
+        assert 1.0 <= rec["detected"] < 1.5, info
+    assert r.record("alive_after")["ok"] is True, info
 
 
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 or more GPUs, this machine has {GPUS}")
