@@ -623,7 +623,8 @@ def fake_nccl_logic(ctx) -> None:
         fastdist.all_reduce(t, timeout=0.5)
         ctx.record("no_timeout")
     except CollectiveTimeoutError as e:
-        ctx.record("timeout", elapsed=time.monotonic() - t0, aborted=len(fake_nccl.aborted_groups), message=str(e))
+        elapsed = time.monotonic() - t0
+        ctx.record("timeout", elapsed=elapsed, aborts_done=_polled.wait_aborts(), aborted=len(fake_nccl.aborted_groups), message=str(e))
     try:
         fastdist.all_reduce(t, timeout=5)
     except GroupAbortedError:
@@ -640,10 +641,16 @@ def fake_nccl_logic(ctx) -> None:
     ctx.record("unwaited", completed=h.is_completed(), error=type(h.exception()).__name__, dead=fastdist.is_dead(),
                aborted=len(fake_nccl.aborted_groups))
     fastdist.recover(timeout=5)
-    # Finally, an abort that hangs ends the process (FASTDIST_ABORT_TIMEOUT=0.5 in this run).
+    # Finally, an abort that hangs: the caller still raises at its deadline, and the abort's own
+    # deadline (FASTDIST_ABORT_TIMEOUT=0.5 in this run) ends the process while recover() waits.
     fake_nccl.ABORT_HANGS = True
     ctx.record("before_hanging_abort")
-    fastdist.all_reduce(t, timeout=0.3)
+    t0 = time.monotonic()
+    try:
+        fastdist.all_reduce(t, timeout=0.3)
+    except CollectiveTimeoutError:
+        ctx.record("raised_while_aborting", elapsed=time.monotonic() - t0)
+    fastdist.recover(timeout=5)
     ctx.record("survived_hanging_abort")
 
 
@@ -759,26 +766,31 @@ def bench_reaping(ctx) -> None:
     from torch.distributed.distributed_c10d import AllreduceOptions
 
     n = int(os.environ.get("FASTDIST_BENCH_INFLIGHT", "10000"))
-    per_op = []
-    for _ in range(5):
-        reaper = Reaper()  # private and not started: time its passes alone
-        eng = engine()
-        works = [pg.allreduce([t], AllreduceOptions()) for _ in range(n)]
-        if backend == "nccl":
-            torch.cuda.synchronize()
-        tokens = [eng.add(eng.now() + 3600) for _ in range(n)]
-        reaper._queues[0] = __import__("collections").deque(zip(works, tokens))
-        t0 = time.perf_counter()
-        done = reaper.reap_once()
-        per_op.append((time.perf_counter() - t0) / max(done, 1))
-        assert done == n, done
+    import collections
+
+    per_op: dict[bool, list[float]] = {True: [], False: []}
+    for ordered in (True, False):  # collectives (in issue order) / queried one by one (p2p)
+        for _ in range(5):
+            reaper = Reaper()  # private and not started: time its passes alone
+            eng = engine()
+            works = [pg.allreduce([t], AllreduceOptions()) for _ in range(n)]
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            tokens = [eng.add(eng.now() + 3600) for _ in range(n)]
+            reaper._queues[(0, ordered)] = collections.deque(zip(works, tokens))
+            t0 = time.perf_counter()
+            done = reaper.reap_once()
+            per_op[ordered].append((time.perf_counter() - t0) / max(done, 1))
+            assert done == n, done
+            assert all(tok.state == 1 for tok in tokens)
     # The same through the public API: n async all_reduces in flight, then waited.
     t0 = time.perf_counter()
     handles = [fastdist.all_reduce(t, async_op=True, timeout=60) for _ in range(n)]
     issued = time.perf_counter() - t0
     for h in handles:
         h.wait()
-    ctx.record("reaping", backend=backend, inflight=n, reap_per_op_us=statistics.median(per_op) * 1e6,
+    ctx.record("reaping", backend=backend, inflight=n, reap_per_op_us=statistics.median(per_op[True]) * 1e6,
+               reap_each_per_op_us=statistics.median(per_op[False]) * 1e6,
                issue_per_op_us=issued / n * 1e6, total_s=time.perf_counter() - t0)
 
 

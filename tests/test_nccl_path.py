@@ -4,6 +4,7 @@ third-party backend API, not a claim about NCCL. The real thing runs in tests/gp
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
@@ -20,7 +21,7 @@ def test_nccl_path_logic_on_a_test_double() -> None:
     a = r.record("async")
     assert a["first"] is False and a["ok"] is True and 0.1 <= a["elapsed"] < 1.0 and a["reaped"] == 1, info
     t = r.record("timeout")
-    assert 0.5 <= t["elapsed"] < 1.5 and t["aborted"] == 1, info
+    assert 0.5 <= t["elapsed"] < 1.5 and t["aborts_done"] and t["aborted"] == 1, info
     assert "all_reduce #4 on group 'default' timed out after 0.5 s on rank 0" in t["message"], info
     assert r.has("refused"), info
     rec = r.record("recovered")
@@ -28,6 +29,7 @@ def test_nccl_path_logic_on_a_test_double() -> None:
     un = r.record("unwaited")
     assert un["completed"] and un["error"] == "CollectiveTimeoutError" and un["dead"] and un["aborted"] == 2, info
     assert r.has("before_hanging_abort") and not r.has("survived_hanging_abort"), info
+    assert 0.3 <= r.record("raised_while_aborting")["elapsed"] < 0.8, info  # not held by the abort
     assert r.returncode == 1, info
     assert "did not return within 0.5 s; ending the process" in r.stderr, info
     assert r.exited_at - r.record("before_hanging_abort")["wall"] < 3.0, info
@@ -51,3 +53,50 @@ def test_nccl_error_handling_mode_is_set_or_respected(monkeypatch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         configure_nccl_error_handling("cpu:gloo,cuda:nccl")
+
+
+class _Done:
+    """A work whose completion the test sets; counts the completion queries."""
+
+    queries = 0
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def is_completed(self) -> bool:
+        _Done.queries += 1
+        return self.finished
+
+
+@pytest.mark.timeout(30)
+def test_reaper_reaps_in_order_with_few_queries_and_p2p_one_by_one() -> None:
+    from fastdist import _polled
+    from fastdist._timeouts import engine
+
+    eng = engine()
+    reaper = _polled.Reaper()  # not started: passes are driven here
+    n = 1000
+    works = [_Done() for _ in range(n)]
+    tokens = [eng.add(eng.now() + 3600) for _ in range(n)]
+    reaper._queues[(1, True)] = collections.deque(zip(works, tokens))  # what watch() queues
+    # Collectives of one group finish in issue order: the first 377 finished.
+    for w in works[:377]:
+        w.finished = True
+    _Done.queries = 0
+    assert reaper.reap_once() == 377
+    assert _Done.queries <= 2 + n.bit_length()  # a binary search, not one query per work
+    assert all(t.state == 1 for t in tokens[:377]) and all(t.state == 0 for t in tokens[377:])
+    # An expired token at the head is dropped, not waited on; then everything finished: one query.
+    tokens[377].cancel()
+    for w in works:
+        w.finished = True
+    _Done.queries = 0
+    assert reaper.reap_once() == n - 378 and _Done.queries == 1 and reaper.pending() == 0
+    # Point-to-point works finish in any order: a later one is reaped while an earlier one runs.
+    p2p = [_Done() for _ in range(3)]
+    ptok = [eng.add(eng.now() + 3600) for _ in range(3)]
+    reaper._queues[(1, False)] = collections.deque(zip(p2p, ptok))
+    p2p[2].finished = True
+    assert reaper.reap_once() == 1 and [t.state for t in ptok] == [0, 0, 1] and reaper.pending() == 2
+    p2p[0].finished = p2p[1].finished = True
+    assert reaper.reap_once() == 2 and reaper.pending() == 0

@@ -6,15 +6,19 @@ so fastdist cannot wait on a done-callback there. Instead it asks the work itsel
 
 - a blocking call polls its own work, sleeping with the GIL released between checks (starting at
   20 us, backing off to 1 ms), until it completes or the deadline passes;
-- async handles are watched by one reaper thread that checks every pending work in one pass per
-  tick (one GIL acquisition for the batch, not one per op) and stops at the first unfinished
-  work of each group, since a group's work completes in order;
-- at the deadline the group's communicators are aborted with torch's own abort, off the timer
-  thread and with a deadline of its own; an abort that hangs ends the process (see abort_group).
+- async handles are watched by one reaper thread that reaps every finished work in one pass per
+  tick (one GIL acquisition for the batch, not one per op). A group's collectives run on one
+  stream and finish in the order they were issued, so if its newest one finished, all did: one
+  completion query for the whole batch, else a binary search for where the finished ones end.
+  Point-to-point works (one stream per peer) are queried one by one;
+- at the deadline the group's communicators are aborted with torch's own abort, on a thread of
+  its own and with a deadline of its own, while the caller raises; an abort that hangs ends the
+  process (see abort_group).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import os
@@ -25,8 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ._timeouts import run_timeout_handler
-from ._work import exit_process
+from ._timeouts import engine, run_timeout_handler
+from ._work import PENDING, exit_process
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +73,17 @@ class Reaper:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queues: dict[int, collections.deque[tuple[Any, Any]]] = {}
+        self._queues: dict[tuple[int, bool], collections.deque[tuple[Any, Any]]] = {}
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.reaped = 0
 
-    def watch(self, group_key: int, work: Any, token: Any) -> None:
+    def watch(self, group_key: int, work: Any, token: Any, ordered: bool = True) -> None:
+        """Watches ``work`` until it completes, then completes ``token``. ``ordered``: the work
+        runs on its group's one stream, behind every collective issued before it on that group
+        (NCCL collectives; not point-to-point ops, which run per peer)."""
         with self._lock:
-            self._queues.setdefault(group_key, collections.deque()).append((work, token))
+            self._queues.setdefault((group_key, ordered), collections.deque()).append((work, token))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fastdist-reaper", daemon=True)
                 self._thread.start()
@@ -87,21 +94,12 @@ class Reaper:
             return sum(len(q) for q in self._queues.values())
 
     def reap_once(self) -> int:
-        """One pass: completes every finished work at the head of each group's queue."""
+        """One pass: completes the token of every finished work; returns how many."""
         done = 0
         with self._lock:
             for key in list(self._queues):
                 q = self._queues[key]
-                while q:
-                    work, token = q[0]
-                    if token.state != 0:  # expired or cancelled: nothing to wait for any more
-                        q.popleft()
-                        continue
-                    if not work.is_completed():
-                        break
-                    q.popleft()
-                    token.complete()
-                    done += 1
+                done += _reap_ordered(q) if key[1] else _reap_each(q)
                 if not q:
                     del self._queues[key]
         self.reaped += done
@@ -118,41 +116,140 @@ class Reaper:
             time.sleep(interval)
 
 
+def _finished_prefix(q: collections.deque[tuple[Any, Any]]) -> int:
+    """How many works at the head of ``q`` finished, for works that finish in queue order: one
+    completion query when all did (the common case in a training loop), else a binary search."""
+    if q[-1][0].is_completed():
+        return len(q)
+    if not q[0][0].is_completed():
+        return 0
+    lo, hi = 0, len(q) - 1  # q[lo] finished, q[hi] did not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if q[mid][0].is_completed():
+            lo = mid
+        else:
+            hi = mid
+    return lo + 1
+
+
+def _reap_ordered(q: collections.deque[tuple[Any, Any]]) -> int:
+    done = 0
+    n = _finished_prefix(q)
+    for _ in range(n):
+        token = q.popleft()[1]
+        if token.state == PENDING:  # not expired or cancelled meanwhile
+            token.complete()
+            done += 1
+    while q and q[0][1].state != PENDING:  # expired or cancelled: nothing to wait for any more
+        q.popleft()
+    return done
+
+
+def _reap_each(q: collections.deque[tuple[Any, Any]]) -> int:
+    done = 0
+    for _ in range(len(q)):
+        work, token = q.popleft()
+        if token.state != PENDING:
+            continue
+        if work.is_completed():
+            token.complete()
+            done += 1
+        else:
+            q.append((work, token))
+    return done
+
+
 reaper = Reaper()
 
 
 def abort_group(pg: Any, is_default: bool, error: BaseException) -> None:
-    """Aborts ``pg``'s communicators (for the default group: every group's, together, as torch
-    requires for NCCL) with torch's own abort, bounded by ABORT_TIMEOUT_SECONDS. An abort that
-    hangs (ncclCommAbort can) ends the process with code 1 after the timeout handler ran with
-    ``error``: the handler may exit otherwise, or raise to keep going at its own risk."""
-    done = threading.Event()
-    failure: list[BaseException] = []
+    """Starts aborting ``pg``'s communicators (for the default group: every group's, together,
+    as torch requires for NCCL) with torch's own abort, on a thread of its own, and returns at
+    once: the caller raises at its deadline, not when the abort returns. (``ncclCommAbort``
+    frees device memory, which waits for whatever the GPU is still running: behind a stalled
+    compute kernel the abort takes as long as that kernel.) :func:`recover` and the exit of the
+    process wait for it (see :func:`wait_aborts`).
+
+    The abort has a deadline of its own, ``FASTDIST_ABORT_TIMEOUT`` seconds (default 10): an
+    abort that hangs (ncclCommAbort can) ends the process with code 1 after the timeout handler
+    ran with ``error``; the handler may exit otherwise, or raise to keep going at its own risk."""
+    pending = _PendingAbort()
+    eng = engine()
+
+    def on_hang() -> None:  # on the engine's executor thread, unless the abort returned first
+        if pending.done.is_set():
+            return
+        logger.critical(
+            "fastdist: aborting the communicators of a timed-out group did not return within %.3g s; "
+            "ending the process (set a timeout handler that raises to decide otherwise)", ABORT_TIMEOUT_SECONDS,
+        )
+        try:
+            run_timeout_handler(error)
+        except SystemExit as e:
+            exit_process(e.code)
+        except BaseException:
+            pending.settled.set()  # the handler chose to keep going
+            return
+        exit_process(1)
+
+    guard = eng.add(eng.now() + ABORT_TIMEOUT_SECONDS, on_hang)
 
     def run() -> None:
         try:
             _abort(pg, is_default)
-        except BaseException as exc:  # reported below
-            failure.append(exc)
+        except BaseException as exc:
+            logger.warning("aborting the communicators of a timed-out group failed: %s", exc)
         finally:
-            done.set()
+            guard.cancel()
+            with _aborts_lock:
+                _aborts.discard(pending)
+            pending.done.set()
+            pending.settled.set()
 
+    with _aborts_lock:
+        _aborts.add(pending)
+        global _exit_hook
+        if not _exit_hook:
+            atexit.register(_wait_aborts_at_exit)
+            _exit_hook = True
     threading.Thread(target=run, name="fastdist-abort", daemon=True).start()
-    if done.wait(ABORT_TIMEOUT_SECONDS):
-        if failure:
-            logger.warning("aborting the communicators of a timed-out group failed: %s", failure[0])
-        return
-    logger.critical(
-        "fastdist: aborting the communicators of a timed-out group did not return within %.3g s; "
-        "ending the process (set a timeout handler that raises to decide otherwise)", ABORT_TIMEOUT_SECONDS,
-    )
-    try:
-        run_timeout_handler(error)
-    except SystemExit as e:
-        exit_process(e.code)
-    except BaseException:
-        return
-    exit_process(1)
+
+
+class _PendingAbort:
+    __slots__ = ("done", "settled")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()  # torch's abort returned
+        self.settled = threading.Event()  # returned, or its deadline passed and the handler chose to go on
+
+
+_aborts_lock = threading.Lock()
+_aborts: set[_PendingAbort] = set()
+_exit_hook = False
+
+# Past an abort's own deadline, how long wait_aborts still waits for its guard to act (the
+# engine's executor may be running someone's timeout handler).
+_GUARD_GRACE_SECONDS = 5.0
+
+
+def _wait_aborts_at_exit() -> None:
+    # A thread still inside torch's abort when the interpreter finalizes would be killed as it
+    # takes the GIL back, and the process would abort: let it finish (its own deadline bounds it).
+    if not wait_aborts():
+        logger.warning("fastdist: exiting while torch is still aborting communicators")
+
+
+def wait_aborts() -> bool:
+    """Waits until every abort started so far returned (True), or passed its own deadline
+    without ending the process because the timeout handler chose to go on (False). A group must
+    not be rebuilt, nor the process finalized, while torch is still aborting communicators."""
+    end = time.monotonic() + ABORT_TIMEOUT_SECONDS + _GUARD_GRACE_SECONDS
+    with _aborts_lock:
+        pending = list(_aborts)
+    for p in pending:
+        p.settled.wait(max(0.0, end - time.monotonic()))
+    return all(p.done.is_set() for p in pending)
 
 
 def _abort(pg: Any, is_default: bool) -> None:

@@ -232,8 +232,8 @@ def _wait_polled(op: str, pg: Any, st: Any, seq: int, work: Any, start: float, d
 
 
 def _expire_polled(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float) -> CollectiveTimeoutError:
-    """At the deadline on an NCCL-like group: mark it dead, abort its communicators (bounded),
-    then assemble the report (the abort comes first: it stops the device work)."""
+    """At the deadline on an NCCL-like group: mark it dead, start aborting its communicators
+    (in the background, bounded), and assemble the report meanwhile."""
     _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
     _polled.abort_group(pg, st.is_default, _timeout_error(st, op, seq, start, deadline, None, "aborting the communicators hung"))
     return _report_error(st, op, seq, start, deadline, "timed_out", "communicators aborted")
@@ -254,6 +254,10 @@ def _fail(err: BaseException, cause: Optional[BaseException] = None) -> NoReturn
         raise err from cause
     finally:
         del err, cause
+
+
+# Point-to-point ops: on NCCL each peer has a stream of its own, so they finish in any order.
+_P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 
 
 class Work:
@@ -284,7 +288,7 @@ class Work:
             # The future says nothing about the device: the reaper polls the work instead.
             self._token = engine().add(deadline, self._on_expire)
             self._has_future, self._callback_ref = True, None
-            _polled.reaper.watch(id(pg), work, self._token)
+            _polled.reaper.watch(id(pg), work, self._token, ordered=op not in _P2P_OPS)
             return
         self._token, callback = watch(work, deadline, self._on_expire)
         self._has_future = callback is not None

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from . import _groups
+from . import _groups, _polled
 from ._timeouts import RendezvousTimeout, TimeoutLike, current_time, effective_deadline, validate_seconds
 from .errors import RecoveryError
 
@@ -172,6 +172,10 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     :class:`RecoveryError` names the missing ones. With ``allow_shrink=True`` the ranks that have
     not turned up by the first rank's deadline are left out and the rest are renumbered in the
     order of their old ranks; a rank that turns up later gets :class:`RecoveryError`.
+
+    On NCCL the timed-out group's communicators are still being aborted when the timeout is
+    raised; ``recover`` waits for that abort first (torch's abort frees device memory, so it
+    also waits for kernels still running on the GPU), bounded by ``FASTDIST_ABORT_TIMEOUT``.
     """
     start = current_time()
     deadline = effective_deadline(timeout, start)
@@ -195,6 +199,8 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     _groups.next_generation(st.name)
     if st.dead_reason is None:
         _groups.mark_dead(pg, "replaced by fastdist.recover()", level=logging.INFO)
+    if not _polled.wait_aborts():
+        logger.warning("rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me)
     _groups.hold(pg)
     if is_default:
         new = _rebuild_default(gen, new_rank, new_size)
