@@ -87,7 +87,8 @@ class Reaper:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fastdist-reaper", daemon=True)
                 self._thread.start()
-        self._wake.set()
+        if not self._wake.is_set():  # only an idle reaper needs waking (see _run)
+            self._wake.set()
 
     def pending(self) -> int:
         with self._lock:
@@ -108,8 +109,10 @@ class Reaper:
     def _run(self) -> None:
         interval = _POLL_MIN
         while True:
+            # Clear, then look: a watch() that queued before the look is seen here, and one that
+            # queued after it finds the event clear and sets it.
+            self._wake.clear()
             if not self.pending():
-                self._wake.clear()
                 self._wake.wait()
                 interval = _POLL_MIN
             interval = _POLL_MIN if self.reap_once() else min(interval * 2, _POLL_MAX)
