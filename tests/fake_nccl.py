@@ -5,8 +5,11 @@ and only ``work.is_completed()`` says when it "ran". Each op completes ``DELAY``
 is issued (``math.inf``: never, like a GPU kernel stuck behind a hung peer) unless ``abort()``
 aborts it first. ``ABORT_HANGS`` makes ``abort()`` itself hang, like a stuck ncclCommAbort.
 
-World size 1 only: enough for the single-process logic (wait for completion, deadline, abort,
-dead group, recover, reaping); multi-rank NCCL behaviour is for tests/gpu on real GPUs.
+With several ranks an op also waits, like a collective, until every rank of the group issued
+the same op as its same-numbered op (counted in the group's store). Only completion is modelled:
+tensors are not exchanged, so values are meaningless there (world size 1: the identity). That
+is enough for fastdist's logic (wait for completion, deadline, abort, dead group, recover,
+reaping, the missing/desynced report); NCCL itself is for tests/gpu on real GPUs.
 """
 
 from __future__ import annotations
@@ -24,16 +27,22 @@ aborted_groups = []
 
 
 class FakeWork(dist.Work):
-    def __init__(self, pg: "FakeNcclBackend", result) -> None:
+    def __init__(self, pg: "FakeNcclBackend", result, key: str | None = None) -> None:
         super().__init__()
         self._pg = pg
+        self._key = key  # the store counter of ranks that issued this op (several ranks)
+        self._all_arrived = key is None
         self._ready_at = time.monotonic() + DELAY
         fut = Future()
         fut.set_result(result)  # like NCCL: done at enqueue time, says nothing about the "GPU"
         self._fut = fut
 
     def is_completed(self) -> bool:
-        return self._pg.aborted or time.monotonic() >= self._ready_at
+        if self._pg.aborted:
+            return True
+        if not self._all_arrived:
+            self._all_arrived = self._pg.store.add(self._key, 0) >= self._pg.size()
+        return self._all_arrived and time.monotonic() >= self._ready_at
 
     def is_success(self) -> bool:
         return self.is_completed() and not self._pg.aborted
@@ -48,25 +57,34 @@ class FakeWork(dist.Work):
 
 
 class FakeNcclBackend(dist.ProcessGroup):
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, store, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
-        if world_size != 1:
-            raise ValueError("the fake NCCL backend supports world size 1 only")
+        self.store = store
         self.aborted = False
+        self._seq = 0
+
+    def _work(self, op: str, result) -> FakeWork:
+        if self.size() == 1:
+            return FakeWork(self, result)
+        self._seq += 1
+        key = f"fake_nccl/{self._seq}/{op}"
+        self.store.add(key, 1)
+        return FakeWork(self, result, key)
 
     def allreduce(self, tensor_list, opts=None):
-        return FakeWork(self, tensor_list)
+        return self._work("allreduce", tensor_list)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         for outs, inp in zip(output_tensors, input_tensors):
-            outs[0].copy_(inp)
-        return FakeWork(self, output_tensors)
+            for out in outs:
+                out.copy_(inp)
+        return self._work("allgather", output_tensors)
 
     def broadcast(self, tensor_list, opts=None):
-        return FakeWork(self, tensor_list)
+        return self._work("broadcast", tensor_list)
 
     def barrier(self, opts=None):
-        return FakeWork(self, [])
+        return self._work("barrier", [])
 
     def abort(self) -> None:
         aborted_groups.append(self)
@@ -82,7 +100,7 @@ class FakeNcclBackend(dist.ProcessGroup):
 
 
 def _create(store, rank, world_size, timeout):
-    return FakeNcclBackend(rank, world_size)
+    return FakeNcclBackend(store, rank, world_size)
 
 
 def register() -> None:

@@ -654,6 +654,35 @@ def fake_nccl_logic(ctx) -> None:
     ctx.record("survived_hanging_abort")
 
 
+def fake_nccl_report(ctx) -> None:
+    """3 ranks on the NCCL path (the test double): rank 0 in all_reduce, rank 1 in barrier (out of
+    step), rank 2 never comes. The report names the missing and the desynced rank, as on gloo."""
+    import fake_nccl
+
+    fake_nccl.register()
+    fastdist.init_process_group(fake_nccl.NAME, store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size)
+    t = torch.ones(1)
+    fastdist.all_reduce(t, timeout=20)  # every rank: completes once all three issued it
+    fastdist.barrier(timeout=20)
+    ctx.record("healthy")
+    if ctx.rank == 2:
+        ctx.wait_release()
+        return
+    start = time.monotonic()
+    try:
+        if ctx.rank == 0:
+            fastdist.all_reduce(t, timeout=1.5)
+        else:
+            fastdist.barrier(timeout=1.5)
+        ctx.record("no_timeout")
+    except CollectiveTimeoutError as e:
+        _record_error(ctx, "error", e, start)
+    try:
+        fastdist.barrier(timeout=5)
+    except GroupAbortedError:
+        ctx.record("refused")
+
+
 # ---------------------------------------------------------------------------------------------
 # Issue 4 on real GPUs (tests/gpu): NCCL, one process per GPU
 

@@ -35,6 +35,20 @@ def test_nccl_path_logic_on_a_test_double() -> None:
     assert r.exited_at - r.record("before_hanging_abort")["wall"] < 3.0, info
 
 
+@pytest.mark.timeout(60)
+def test_missing_and_desynced_ranks_are_reported_on_the_nccl_path() -> None:
+    results = run_ranks("fake_nccl_report", 3, absent=(2,))
+    info = describe(results)
+    for r in results:
+        assert r.returncode == 0 and r.has("healthy"), info
+    for r, other, its_op in ((results[0], 1, "barrier #3"), (results[1], 0, "all_reduce #3")):
+        err = r.record("error")
+        assert err["kind"] == "CollectiveTimeoutError" and 1.5 <= err["elapsed"] < 2.5, info
+        assert err["missing"] == [2] and err["desynced"] == {str(other): its_op}, info
+        assert "rank 2 never arrived (last seen in barrier #2)" in err["message"], info
+        assert r.has("refused"), info
+
+
 def test_nccl_error_handling_mode_is_set_or_respected(monkeypatch) -> None:
     from fastdist.recovery import NCCL_ERROR_HANDLING, configure_nccl_error_handling
 
