@@ -608,14 +608,18 @@ def fake_nccl_logic(ctx) -> None:
     fastdist.all_reduce(t, timeout=5)
     fastdist.barrier(timeout=5)
     ctx.record("blocking", elapsed=time.monotonic() - t0)
-    # Async: watched by the reaper.
+    # Async: wait() polls the work itself; a handle nobody waits on is released by the reaper.
     fake_nccl.DELAY = 0.2
     reaped = _polled.reaper.reaped
     h = fastdist.all_reduce(t, async_op=True, timeout=5)
     first = h.is_completed()
     t0 = time.monotonic()
     ok = h.wait()
-    ctx.record("async", first=first, ok=ok, elapsed=time.monotonic() - t0, reaped=_polled.reaper.reaped - reaped)
+    elapsed = time.monotonic() - t0
+    unwaited = fastdist.all_reduce(t, async_op=True, timeout=5)
+    time.sleep(0.5)
+    ctx.record("async", first=first, ok=ok, elapsed=elapsed, reaped=_polled.reaper.reaped - reaped,
+               pending=_polled.reaper.pending(), unwaited_done=unwaited.is_completed() and unwaited.exception() is None)
     # A hang: the deadline fires, the communicators are aborted, the group is dead.
     fake_nccl.DELAY = math.inf
     t0 = time.monotonic()

@@ -6,11 +6,13 @@ so fastdist cannot wait on a done-callback there. Instead it asks the work itsel
 
 - a blocking call polls its own work, sleeping with the GIL released between checks (starting at
   20 us, backing off to 1 ms), until it completes or the deadline passes;
-- async handles are watched by one reaper thread that reaps every finished work in one pass per
-  tick (one GIL acquisition for the batch, not one per op). A group's collectives run on one
-  stream and finish in the order they were issued, so if its newest one finished, all did: one
-  completion query for the whole batch, else a binary search for where the finished ones end.
-  Point-to-point works (one stream per peer) are queried one by one;
+- an async handle's ``wait()`` polls its own work the same way; handles nobody waits on are
+  released by one reaper thread that reaps every finished work in one pass per tick (every
+  1 ms, backing off to 10 ms while nothing finishes; one GIL acquisition for the batch, not one
+  per op). A group's collectives run on one stream and finish in the order they were issued,
+  so if its newest one finished, all did: one completion query for the whole batch, else a
+  binary search for where the finished ones end. Point-to-point works (one stream per peer)
+  are queried one by one;
 - at the deadline the group's communicators are aborted with torch's own abort, on a thread of
   its own and with a deadline of its own, while the caller raises; an abort that hangs ends the
   process (see abort_group).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ._timeouts import engine, run_timeout_handler
-from ._work import PENDING, exit_process
+from ._work import COMPLETED, PENDING, exit_process
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,10 @@ ABORT_TIMEOUT_SECONDS = float(os.environ.get("FASTDIST_ABORT_TIMEOUT", "10"))
 
 _POLL_MIN = 20e-6
 _POLL_MAX = 1e-3
+# The reaper only releases works and deadlines of handles nobody is waiting on (a handle's
+# wait() polls its own work): it can take its time, and leaves the GIL to the training loop.
+_REAP_MIN = 1e-3
+_REAP_MAX = 10e-3
 
 
 def backend_of(pg: Any) -> str:
@@ -56,16 +63,28 @@ def is_polled(backend: str) -> bool:
     return backend in POLLED_BACKENDS
 
 
-def wait_polled(work: Any, token: Any) -> bool:
-    """Blocks until ``work.is_completed()`` (True) or ``token`` expired (False)."""
+def poll(work: Any, token: Any, timeout: float = math.inf) -> int:
+    """Polls ``work.is_completed()`` (then completes ``token``) until ``token`` is no longer
+    pending (completed, expired, or completed by the reaper) or ``timeout`` seconds passed;
+    returns the token's state."""
+    end = time.monotonic() + timeout
     interval = _POLL_MIN
     while True:
         if work.is_completed():
-            token.complete()
-            return True
-        if token.wait(interval) != 0:  # no longer pending: expired (or completed by the reaper)
-            return bool(work.is_completed())
+            token.complete()  # no-op if it expired meanwhile
+            return int(token.state)
+        left = end - time.monotonic()
+        if left <= 0:
+            return int(token.state)
+        state = token.wait(min(interval, left))
+        if state != PENDING:
+            return int(state)
         interval = min(interval * 2, _POLL_MAX)
+
+
+def wait_polled(work: Any, token: Any) -> bool:
+    """Blocks until ``work.is_completed()`` (True) or ``token`` expired (False)."""
+    return poll(work, token) == COMPLETED or bool(work.is_completed())
 
 
 class Reaper:
@@ -76,6 +95,8 @@ class Reaper:
         self._queues: dict[tuple[int, bool], collections.deque[tuple[Any, Any]]] = {}
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+        self._exit_hook = False
         self.reaped = 0
 
     def watch(self, group_key: int, work: Any, token: Any, ordered: bool = True) -> None:
@@ -83,10 +104,15 @@ class Reaper:
         runs on its group's one stream, behind every collective issued before it on that group
         (NCCL collectives; not point-to-point ops, which run per peer)."""
         with self._lock:
+            if self._stopped:  # the process is exiting
+                return
             self._queues.setdefault((group_key, ordered), collections.deque()).append((work, token))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fastdist-reaper", daemon=True)
                 self._thread.start()
+                if not self._exit_hook:
+                    atexit.register(self.stop)
+                    self._exit_hook = True
         if not self._wake.is_set():  # only an idle reaper needs waking (see _run)
             self._wake.set()
 
@@ -106,16 +132,30 @@ class Reaper:
         self.reaped += done
         return done
 
+    def stop(self, timeout: float = 1.0) -> None:
+        """Ends the thread and drops the works it watched. Registered to run at exit, before
+        the interpreter finalizes: a daemon thread still holding works then (and waking from
+        its sleep into a finalizing interpreter) made the process abort in torch's C++."""
+        with self._lock:
+            self._stopped = True
+            queues, self._queues = self._queues, {}
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        queues.clear()
+
     def _run(self) -> None:
-        interval = _POLL_MIN
-        while True:
+        interval = _REAP_MIN
+        while not self._stopped:
             # Clear, then look: a watch() that queued before the look is seen here, and one that
             # queued after it finds the event clear and sets it.
             self._wake.clear()
             if not self.pending():
                 self._wake.wait()
-                interval = _POLL_MIN
-            interval = _POLL_MIN if self.reap_once() else min(interval * 2, _POLL_MAX)
+                interval = _REAP_MIN
+                continue
+            interval = _REAP_MIN if self.reap_once() else min(interval * 2, _REAP_MAX)
             time.sleep(interval)
 
 

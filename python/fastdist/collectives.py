@@ -256,6 +256,10 @@ def _fail(err: BaseException, cause: Optional[BaseException] = None) -> NoReturn
         del err, cause
 
 
+# Handles whose deadline passed wait here until its expiry ran (rare: one condition for all,
+# rather than an Event per handle, which costs more than the rest of a handle).
+_report_cond = threading.Condition()
+
 # Point-to-point ops: on NCCL each peer has a stream of its own, so they finish in any order.
 _P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 
@@ -282,7 +286,7 @@ class Work:
         self._start = start
         self._deadline = deadline
         self._error: Optional[BaseException] = None
-        self._reported = threading.Event()
+        self._reported = False  # the expiry ran (see _report_cond)
         self._polled = st.polled
         if st.polled:
             # The future says nothing about the device: the reaper polls the work instead.
@@ -303,7 +307,7 @@ class Work:
     def _on_expire(self) -> None:
         # Runs on the engine's executor thread at the deadline.
         if (self._polled or not self._has_future) and self._work.is_completed():
-            self._reported.set()  # finished; only nobody was told (no future, or not polled yet)
+            self._set_reported()  # finished; only nobody was told (no future, or not polled yet)
             return
         try:
             if self._polled:
@@ -312,7 +316,7 @@ class Work:
                 self._error = _timed_out(self._pg, self._st, self.op, self._seq, self._start, self._deadline, token=self._token)
                 abandon(self._token, self._callback_ref)
         finally:
-            self._reported.set()
+            self._set_reported()
         try:
             run_timeout_handler(self._error)
         except SystemExit as e:
@@ -320,17 +324,27 @@ class Work:
         except BaseException:
             pass  # the error is raised from wait(); the handler's own failure has nowhere to go
 
+    def _set_reported(self) -> None:
+        with _report_cond:
+            self._reported = True
+            _report_cond.notify_all()
+
+    def _wait_reported(self) -> None:
+        with _report_cond:
+            while not self._reported:
+                _report_cond.wait()
+
     def is_completed(self) -> bool:
         """True once the op finished (successfully or not) or its deadline passed."""
         state = self._token.state
         if state == EXPIRED:
-            return self._reported.is_set()
+            return self._reported
         return state == COMPLETED or bool(self._work.is_completed())
 
     def exception(self) -> Optional[BaseException]:
         """The error the op ended with (a timeout included), or None."""
         if self._token.state == EXPIRED:
-            self._reported.wait()
+            self._wait_reported()
             return self._error
         if self._has_future and self._work.is_completed():
             try:
@@ -347,7 +361,9 @@ class Work:
     def wait(self, timeout: TimeoutLike = None) -> bool:
         now = current_time()
         limit = self._deadline if timeout is None else min(self._deadline, effective_deadline(timeout, now))
-        if self._has_future:
+        if self._polled:
+            state = _polled.poll(self._work, self._token, max(0.0, limit - now))
+        elif self._has_future:
             state = self._token.wait(max(0.0, limit - now))
         else:
             state = self._wait_p2p(limit)
@@ -359,7 +375,7 @@ class Work:
                 self._raise(self._failure(exc), exc)
             return True
         if state == EXPIRED:
-            self._reported.wait()
+            self._wait_reported()
             if self._error is None:
                 return True  # p2p work that had finished unnoticed
             self._raise(self._error)
