@@ -850,6 +850,22 @@ def gpu_bench(ctx) -> None:
                     fd.append(time.perf_counter() - t0)
         r, f = statistics.median(raw[50:]), statistics.median(fd[50:])
         out[label] = {"raw_sync_us": r * 1e6, "fastdist_us": f * 1e6, "ratio": f / r}
+    # Issuing async all_reduces (500 in a row, then all waited), alternating raw and fastdist.
+    t = torch.ones(1, device="cuda")
+    issue: dict[str, list[float]] = {"raw": [], "fastdist": []}
+    for _ in range(7):
+        for which in ("raw", "fastdist"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if which == "raw":
+                handles = [dist.all_reduce(t, async_op=True) for _ in range(500)]
+            else:
+                handles = [fastdist.all_reduce(t, async_op=True, timeout=60) for _ in range(500)]
+            issue[which].append((time.perf_counter() - t0) / 500)
+            for h in handles:
+                h.wait()
+    r, f = statistics.median(issue["raw"][1:]), statistics.median(issue["fastdist"][1:])
+    out["async_issue"] = {"raw_us": r * 1e6, "fastdist_us": f * 1e6, "ratio": f / r}
     ctx.record("gpu_bench", **out)
 
 
