@@ -611,9 +611,9 @@ def fake_nccl_logic(ctx) -> None:
     # Async: wait() polls the work itself; a handle nobody waits on is released by the reaper.
     fake_nccl.DELAY = 0.2
     reaped = _polled.reaper.reaped
+    t0 = time.monotonic()  # before the issue: the op takes DELAY from there
     h = fastdist.all_reduce(t, async_op=True, timeout=5)
     first = h.is_completed()
-    t0 = time.monotonic()
     ok = h.wait()
     elapsed = time.monotonic() - t0
     unwaited = fastdist.all_reduce(t, async_op=True, timeout=5)
