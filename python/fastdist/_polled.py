@@ -96,7 +96,6 @@ class Reaper:
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
-        self._exit_hook = False
         self.reaped = 0
 
     def watch(self, group_key: int, work: Any, token: Any, ordered: bool = True) -> None:
@@ -110,9 +109,6 @@ class Reaper:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fastdist-reaper", daemon=True)
                 self._thread.start()
-                if not self._exit_hook:
-                    atexit.register(self.stop)
-                    self._exit_hook = True
         if not self._wake.is_set():  # only an idle reaper needs waking (see _run)
             self._wake.set()
 
@@ -133,7 +129,7 @@ class Reaper:
         return done
 
     def stop(self, timeout: float = 1.0) -> None:
-        """Ends the thread and drops the works it watched. Registered to run at exit, before
+        """Ends the thread and drops the works it watched. Runs at exit (see _at_exit), before
         the interpreter finalizes: a daemon thread still holding works then (and waking from
         its sleep into a finalizing interpreter) made the process abort in torch's C++."""
         with self._lock:
@@ -252,10 +248,6 @@ def abort_group(pg: Any, is_default: bool, error: BaseException) -> None:
 
     with _aborts_lock:
         _aborts.add(pending)
-        global _exit_hook
-        if not _exit_hook:
-            atexit.register(_wait_aborts_at_exit)
-            _exit_hook = True
     threading.Thread(target=run, name="fastdist-abort", daemon=True).start()
 
 
@@ -269,17 +261,18 @@ class _PendingAbort:
 
 _aborts_lock = threading.Lock()
 _aborts: set[_PendingAbort] = set()
-_exit_hook = False
 
 # Past an abort's own deadline, how long wait_aborts still waits for its guard to act (the
 # engine's executor may be running someone's timeout handler).
 _GUARD_GRACE_SECONDS = 5.0
 
 
-def _wait_aborts_at_exit() -> None:
-    # A thread still inside torch's abort when the interpreter finalizes would be killed as it
-    # takes the GIL back, and the process would abort: let it finish (its own deadline bounds it).
-    if not wait_aborts():
+@atexit.register
+def _at_exit() -> None:
+    # Before the interpreter finalizes: a thread still inside torch's abort then would be killed
+    # as it takes the GIL back, and the process would abort; so would the reaper's, holding works.
+    reaper.stop()
+    if not wait_aborts():  # each abort's own deadline bounds this
         logger.warning("fastdist: exiting while torch is still aborting communicators")
 
 
