@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from . import _keys
 from ._timeouts import current_time
 from .errors import CollectiveMismatchError
 
@@ -41,7 +42,7 @@ def verify(st: Any, op: str, seq: int, signature: str, deadline: float) -> bool:
     store = st.store
     if store is None or st.size <= 1:
         return True
-    prefix = f"fastdist/check/{st.name}/{st.generation}"
+    prefix = _keys.key("check", st.name, st.generation)
     store.set(f"{prefix}/{seq}/{st.rank}", signature)
     keys = [f"{prefix}/{seq}/{r}" for r in range(st.size)]
     while not store.check(keys):

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import _keys
+
 logger = logging.getLogger(__name__)
 
 MAX_WINDOW_SECONDS = 1.0
@@ -52,7 +54,7 @@ def report(st: Any, op: str, seq: int, state: str, budget: float, until: Optiona
     store = st.store
     if store is None or st.size <= 1:
         return Report() if st.size <= 1 else None
-    prefix = f"fastdist/diag/{st.name}/{st.generation}"
+    prefix = _keys.key("diag", st.name, st.generation)
     me = {"op": op, "seq": seq, "state": state, "t": time.time()}
     try:
         store.set(f"{prefix}/status/{st.rank}", json.dumps(me))

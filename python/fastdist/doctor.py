@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Optional
 
-from . import rendezvous
+from . import _keys, rendezvous
 
 
 @dataclass
@@ -27,8 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="default: $MASTER_ADDR")
     parser.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "0")) or None, help="default: $MASTER_PORT")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "0")) or None, help="default: $WORLD_SIZE")
-    parser.add_argument("--rank", type=int, default=int(os.environ["RANK"]) if "RANK" in os.environ else None,
-                        help="this machine's rank; rank 0 needs the port free, the others need it listening (default: $RANK, else a worker)")
+    # Inside a torchrun worker the agent holds MASTER_PORT and every worker connects as a client:
+    # rank 0 included, so the port must be listening, not free.
+    in_worker = _keys.agent_hosts_store()
+    parser.add_argument("--rank", type=int, default=int(os.environ["RANK"]) if "RANK" in os.environ and not in_worker else None,
+                        help="this machine's rank; rank 0 needs the port free, the others need it listening (default: $RANK, "
+                             "else a worker; inside a torchrun worker, a client of the agent's store)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds for each network check (default 3)")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from . import _groups, _polled
+from . import _groups, _keys, _polled
 from ._timeouts import RendezvousTimeout, TimeoutLike, current_time, effective_deadline, validate_seconds
 from .errors import RecoveryError
 
@@ -78,24 +78,32 @@ def init_process_group(
             raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
     configure_nccl_error_handling(backend)
     target = _tcp_target(init_method, store)
+    hosts_store = False
     if target is not None:
         host, port = target
         rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
         world_size = int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
         if rank is None or world_size is None:
             raise ValueError("rank and world_size are needed (as arguments, or RANK and WORLD_SIZE in the environment)")
+        # Under torchrun the agent hosts the store on MASTER_PORT: every worker is a client.
+        agent = (init_method or "env://").startswith("env://") and _keys.agent_hosts_store()
+        hosts_store = rank == 0 and not agent
         store = rdzv_mod.connect_store(
-            host, port, is_master=rank == 0, world_size=world_size, connect_timeout=connect, retries=retries,
+            host, port, is_master=hosts_store, world_size=world_size, connect_timeout=connect, retries=retries,
             backoff=backoff, store_timeout=td.total_seconds() if td is not None else 300.0,
         )
         rdzv_mod.check_versions(store, rank, world_size, host, port, timeout=connect)
         init_method = None
+        if agent:
+            # torchrun's agent keeps its store across restarts of the worker group: torch's own keys
+            # (gloo's addresses) of the last attempt must not be read by this one.
+            store = dist.PrefixStore(_keys.key("pg") + "/", store)
     if rdzv is not None:
         if store is None:
             raise ValueError("rendezvous_timeout needs env://, tcp:// or a store")
         rdzv_mod.rendezvous(
             store, -1 if rank is None else rank, -1 if world_size is None else world_size, rdzv,
-            hosts_store=target is not None and rank == 0,
+            hosts_store=target is not None and hosts_store,
         )
     dist.init_process_group(
         backend=backend, init_method=init_method, timeout=td, store=store,
@@ -141,7 +149,9 @@ def configure_nccl_error_handling(backend: Optional[str]) -> None:
     if backend is not None and "nccl" not in str(backend).lower():
         return
     current = os.environ.get(NCCL_ERROR_HANDLING)
-    if current is None:
+    if current is None or _injected_by_launcher(NCCL_ERROR_HANDLING):
+        # torchrun puts TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down) into every worker unless the
+        # user set it: that value is the launcher's default, not the user's choice.
         os.environ[NCCL_ERROR_HANDLING] = NCCL_ERROR_HANDLING_MODE
     elif current.strip() != NCCL_ERROR_HANDLING_MODE:
         warnings.warn(
@@ -151,6 +161,21 @@ def configure_nccl_error_handling(backend: Optional[str]) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def _injected_by_launcher(name: str) -> bool:
+    """Whether torchrun's agent put ``name`` into this worker's environment itself: the agent (this
+    process's parent) was started without it. Where the parent's environment cannot be read, the
+    value torchrun injects ("1") counts as injected."""
+    if not _keys.under_torchrun():
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            parent = f.read().split(b"\0")
+    except OSError:
+        return os.environ.get(name, "").strip() == "1"
+    prefix = name.encode() + b"="
+    return not any(entry.startswith(prefix) for entry in parent)
 
 
 def get_rank(group: Any = None) -> int:
@@ -213,7 +238,7 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
 
 def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -> list[int]:
     """The sorted global ranks of the new generation, the same on every member."""
-    key = f"fastdist/recover/{st.name}"
+    key = _keys.key("recover", st.name)
     me = st.my_global_rank
     if store.check([f"{key}/latest"]):
         latest = int(store.get(f"{key}/latest"))
@@ -249,7 +274,7 @@ def _rebuild_default(gen: int, rank: int, world_size: int) -> Any:
     # it here does not run its destructor, which could block on an op still in flight.
     dist.destroy_process_group()
     root = _lineage["root"]
-    store = dist.PrefixStore(f"fastdist/gen{gen}/", root)
+    store = dist.PrefixStore(_keys.key(f"gen{gen}") + "/", root)
     kwargs = {} if _lineage["timeout"] is None else {"timeout": _lineage["timeout"]}
     dist.init_process_group(backend=_lineage["backend"], store=store, rank=rank, world_size=world_size, **kwargs)
     return dist.distributed_c10d._get_default_group()

@@ -31,13 +31,14 @@ import threading
 import time
 from typing import Any, Optional
 
+from . import _keys
 from ._timeouts import RendezvousTimeout, current_time, validate_seconds
 from .errors import RendezvousClosedError, RendezvousConnectionError, RendezvousTimeoutError
 
 logger = logging.getLogger(__name__)
 
 RESOLVE_TIMEOUT = 1.0
-VERSION_KEY = "fastdist/rdzv/version"
+VERSION_KEY = _keys.key("rdzv", "version")
 
 
 def versions() -> dict[str, Any]:
@@ -213,7 +214,7 @@ def check_versions(store: Any, rank: int, world_size: int, host: str, port: int,
 # The rendezvous
 
 
-def rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, prefix: str = "fastdist/rdzv", hosts_store: bool = False) -> None:
+def rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, prefix: str = _keys.key("rdzv"), hosts_store: bool = False) -> None:
     """Every rank announces itself in ``store`` and waits for the others, within ``rdzv``:
 
     - the call closes ``rdzv`` if it is open, which starts its countdown of ``rdzv.timeout``

@@ -61,3 +61,17 @@ def test_rank_that_skips_the_collective_is_reported_missing() -> None:
         assert r.returncode == 0, info
         t = r.record("timeout")
         assert t["missing"] == [n - 1] and 2.0 <= t["elapsed"] < 3.5, info
+
+
+def test_torchrun_worker_survives_a_timeout_and_recovers(tmp_path) -> None:
+    """torchrun injects TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down); fastdist replaces that
+    default with 2, so the rescued worker lives on and recovers."""
+    from test_torchrun import _free_port, _torchrun
+
+    code, recs, log = _torchrun(tmp_path, "gpu_stall", 1,
+                                ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"], timeout=120)
+    info = f"{recs}\n{log[-4000:]}"
+    assert code == 0, info
+    rec = recs["0-0"]
+    assert rec["nccl_mode"] == "2" and 1.0 <= rec["detected"] < 1.5, info
+    assert rec["alive_after_10s"] and rec["value"] == 2.0, info

@@ -1,0 +1,37 @@
+"""Where fastdist's keys live in a job's store, and what the launcher says about it.
+
+Every key fastdist writes (reports, checks, recovery generations, the version record) sits under
+one prefix per launch attempt. torchrun restarts a failed worker group with
+``--max-restarts`` on the same store (its agent's), and keys of one attempt must never be read by
+the next: a recovery generation or a report count left by attempt 0 would otherwise decide
+attempt 1's.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _attempt() -> int:
+    # torchrun (torch.distributed.elastic) numbers the attempts of a worker group.
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return int(value) if value.isdigit() else 0
+
+
+ATTEMPT = _attempt()
+ROOT = f"fastdist/attempt{ATTEMPT}" if ATTEMPT else "fastdist"
+
+
+def key(*parts: object) -> str:
+    """``ROOT/part/part...``: a key in this attempt's namespace."""
+    return "/".join((ROOT, *map(str, parts)))
+
+
+def agent_hosts_store() -> bool:
+    """Whether a torchrun agent hosts the store on MASTER_PORT, so that every worker, rank 0
+    included, must connect to it as a client (torch's env:// handler does the same)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
