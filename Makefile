@@ -15,7 +15,9 @@ setup: $(STAMP)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q ".[test,bench]"
+	# fastdist._watched is compiled against the installed torch: build without isolation.
+	$(PY) -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
+	$(PY) -m pip install -q --no-build-isolation ".[test,bench]"
 	touch $@
 
 demo: setup

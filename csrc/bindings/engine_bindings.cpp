@@ -149,6 +149,12 @@ void register_engine(py::module_& m) {
            py::arg("timeout") = 0.1)
       .def("stats", [](const Engine& e) { return stats_to_dict(e.stats()); });
 
+  // The default engine for fastdist._watched (a separate module): one engine, one timer thread.
+  m.def("_engine_capsule", [] {
+    static auto* engine = new std::shared_ptr<Engine>(default_engine());
+    return py::capsule(static_cast<void*>(engine), "fastdist.engine");
+  });
+
   m.def("default_engine", &default_engine,
         "The process-wide engine on the steady clock; its threads start with the first deadline.");
 }

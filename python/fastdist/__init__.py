@@ -9,6 +9,7 @@ Importing fastdist starts no thread: the deadline engine starts with the first d
 from __future__ import annotations
 
 from ._checks import checks_enabled, set_checks
+from . import _watch  # noqa: F401  (watched groups: patches torch at init_process_group)
 from ._groups import is_dead
 from ._timeouts import (
     DeadlineScope,

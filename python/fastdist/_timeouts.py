@@ -15,9 +15,10 @@ import datetime
 import math
 import os
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional, Union
 
-from . import _core
+from . import _core, _watched
 
 __all__ = [
     "TimeoutLike",
@@ -169,13 +170,28 @@ def fail_after(seconds: Union[float, datetime.timedelta]) -> Iterator[DeadlineSc
         yield scope
 
 
+# Set by fastdist._watch: finds the fastdist error behind an exception torch re-wrapped.
+_typed_error_for: Optional[Callable[[BaseException, float], Optional[BaseException]]] = None
+
+
 @contextlib.contextmanager
 def _enter(deadline: float) -> Iterator[DeadlineScope]:
     scope = DeadlineScope(min(deadline, _scope_deadline.get()))
     reset = _scope_deadline.set(scope.deadline)
+    # The C++ side of watched groups reads the scope from the thread (and, for threads that never
+    # ran Python, such as autograd's device threads, from the soonest scope open in the process).
+    _watched.push_scope(scope.deadline)
+    since = time.monotonic()
     try:
         yield scope
+    except RuntimeError as exc:
+        # torch re-wraps some errors on their way up (autograd): give back the typed one, chained.
+        typed = _typed_error_for(exc, since) if _typed_error_for is not None else None
+        if typed is None:
+            raise
+        raise typed from exc
     finally:
+        _watched.pop_scope()
         _scope_deadline.reset(reset)
 
 

@@ -105,6 +105,9 @@ def init_process_group(
             store, -1 if rank is None else rank, -1 if world_size is None else world_size, rdzv,
             hosts_store=target is not None and hosts_store,
         )
+    from . import _watch
+
+    _watch.activate(None if td is None else td.total_seconds())
     dist.init_process_group(
         backend=backend, init_method=init_method, timeout=td, store=store,
         rank=-1 if rank is None else rank, world_size=-1 if world_size is None else world_size, **kwargs,

@@ -1,0 +1,112 @@
+// fastdist._watched: the torch-linked module (watched groups). Built against the torch it is
+// installed with, using torch's own pybind11, so that its classes share torch's Backend type.
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+
+#include "watched.h"
+
+namespace py = pybind11;
+
+namespace fastdist::watched {
+namespace {
+
+py::object& py_builder() {
+  static auto* b = new py::object();  // leaked: never destroyed after the interpreter
+  return *b;
+}
+
+std::shared_ptr<Engine>& shared_engine() {
+  static auto* e = new std::shared_ptr<Engine>();
+  return *e;
+}
+
+Nanos seconds_arg(double seconds, const char* name) {
+  if (std::isnan(seconds)) throw py::value_error(std::string(name) + " must not be NaN");
+  return seconds_to_nanos(seconds);
+}
+
+std::exception_ptr current_python_error() { return fetch_python_error(); }
+
+// Calls fastdist._watch's builder with the fault; the exception it returns (or raises) is what
+// every waiter of the group raises.
+std::exception_ptr build_fault(std::uintptr_t ctl, const FaultInfo& info) {
+  if (python_finalizing() || py_builder().ptr() == nullptr) return nullptr;
+  py::gil_scoped_acquire gil;
+  try {
+    py::dict d;
+    d["kind"] = info.kind;
+    d["op"] = info.op;
+    d["seq"] = info.seq;
+    d["start"] = info.start;
+    d["deadline"] = info.deadline;
+    d["detail"] = info.detail;
+    d["prev"] = info.prev;
+    d["waiter"] = info.waiter;
+    py::object err = py_builder()(ctl, d);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
+    return current_python_error();
+  } catch (py::error_already_set& e) {
+    // The builder raised (a timeout handler's sys.exit() among others): that is the error.
+    e.restore();
+    return current_python_error();
+  }
+}
+
+}  // namespace
+}  // namespace fastdist::watched
+
+PYBIND11_MODULE(_watched, m) {
+  using namespace fastdist;
+  using namespace fastdist::watched;
+  m.doc() = "fastdist's watched groups: a c10d Backend that bounds every op of the group it wraps.";
+  py::module_::import("torch.distributed");
+
+  set_fault_builder(&build_fault);
+
+  m.def("set_engine", [](py::capsule cap) {
+    auto* engine = static_cast<std::shared_ptr<Engine>*>(cap.get_pointer());
+    shared_engine() = *engine;
+  });
+  m.def("set_fault_builder", [](py::object fn) { py_builder() = std::move(fn); });
+  m.def("set_main_thread", [](unsigned long ident) { set_main_thread(ident); });
+  m.def("push_scope", [](double deadline) { push_scope(seconds_arg(deadline, "deadline")); });
+  m.def("pop_scope", &pop_scope);
+  m.def("set_next_deadline", [](double deadline) { set_next_deadline(seconds_arg(deadline, "deadline")); });
+  m.def("abandoned_inflight", &abandoned_inflight);
+  m.def("scope_deadline", [] { return nanos_to_seconds(scope_deadline()); });
+
+  py::class_<WatchedBackend, c10d::Backend, c10::intrusive_ptr<WatchedBackend>>(m, "WatchedBackend")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& name, double default_timeout,
+                       bool polled) {
+             TORCH_CHECK(shared_engine(), "fastdist._watched.set_engine() was not called");
+             auto ctl = std::make_shared<GroupCtl>(name, inner->getRank(), inner->getSize(),
+                                                   seconds_arg(default_timeout, "default_timeout"), polled,
+                                                   shared_engine());
+             return c10::make_intrusive<WatchedBackend>(inner, std::move(ctl));
+           }),
+           py::arg("inner"), py::arg("name"), py::arg("default_timeout"), py::arg("polled") = false)
+      .def_property_readonly("inner", &WatchedBackend::inner)
+      .def("swap_inner", &WatchedBackend::swap_inner, py::arg("fresh"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("ctl_id", [](const WatchedBackend& b) { return b.ctl()->id(); })
+      .def_property_readonly("group_name", [](const WatchedBackend& b) { return b.ctl()->name; })
+      .def_property_readonly("polled", [](const WatchedBackend& b) { return b.ctl()->polled; })
+      .def_property_readonly("seq", [](const WatchedBackend& b) { return b.ctl()->seq(); })
+      .def_property_readonly("dead", [](const WatchedBackend& b) { return b.ctl()->dead(); })
+      .def_property_readonly("dead_reason", [](const WatchedBackend& b) { return b.ctl()->dead_reason(); })
+      .def("mark_dead", [](const WatchedBackend& b, const std::string& reason) { return b.ctl()->mark_dead(reason); })
+      .def("prev_of", [](const WatchedBackend& b, std::uint64_t seq) { return b.ctl()->prev_of(seq); })
+      .def_property(
+          "default_timeout",
+          [](const WatchedBackend& b) { return nanos_to_seconds(b.ctl()->default_timeout.load()); },
+          [](const WatchedBackend& b, double s) { b.ctl()->default_timeout.store(seconds_arg(s, "default_timeout")); })
+      .def("inflight", [](const WatchedBackend& b) { return b.ctl()->inflight().size(); })
+      // Fails every op in flight on the group with `error` (a fault found elsewhere: a peer's).
+      .def("fail_inflight", [](const WatchedBackend& b, py::object error) {
+        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+        auto err = current_python_error();
+        py::gil_scoped_release nogil;
+        for (auto& w : b.ctl()->inflight()) w->fail(err);
+      });
+}

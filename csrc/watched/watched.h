@@ -1,0 +1,270 @@
+// Watched groups: a c10d::Backend that wraps the real one (gloo, NCCL) of a torch ProcessGroup and
+// gives every op on it a deadline, whoever issues it (fastdist, torch.distributed, DDP's reducer,
+// FSDP2, DeviceMesh), on any thread.
+//
+// The ProcessGroup stays torch's own object, with its name, its backend type (GLOO / NCCL) and its
+// options; only the Backend registered in it is a WatchedBackend, which forwards every op to the
+// inner backend and returns a WatchedWork. Recovery swaps the inner backend for a fresh one in
+// place (swap_inner), so DDP, FSDP2 and DeviceMesh, which hold the ProcessGroup, train on.
+//
+// Per op: the deadline is the innermost fastdist scope of the issuing thread (or, for a thread
+// with none of its own, such as autograd's device threads, the soonest scope open in the process),
+// else the group's default timeout. gloo also gets it as its per-call timeout (plus a grace), so
+// that its worker thread is freed shortly after the deadline. An engine token expires at the
+// deadline; a group whose op expired or failed is dead, and the first thread to see that builds
+// the typed error once (a Python callback: the who-is-missing report) and fails every op in flight
+// on the group with it, so DDP's backward, a dist.* call and a work.wait() all raise the same
+// CollectiveTimeoutError or GroupAbortedError. Later ops are refused at once until recovery.
+//
+// Lock order: the GIL before GroupCtl::mu before WatchedWork::mu; no lock is held while Python
+// runs or while an inner backend is called.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "../engine.h"
+
+namespace fastdist::watched {
+
+// Scopes: pushed by fastdist.fail_after / fail_at on the thread that enters them.
+void push_scope(Nanos deadline);
+void pop_scope();
+// The deadline for the next op issued on this thread by fastdist's own functions (the sooner of
+// their timeout= and the scopes), consumed by that op; kNever for none.
+void set_next_deadline(Nanos deadline);
+// The deadline an op issued now on this thread gets from the scopes (kNever: none).
+Nanos scope_deadline();
+// The main thread's pthread id: a waiter there runs Python's signal handlers between slices.
+void set_main_thread(unsigned long ident);
+
+class WatchedWork;
+
+// What the Python side is told about a fault, and answers with the exception to raise.
+struct FaultInfo {
+  std::string kind;    // "timeout", "backend", "interrupted", "refused"
+  std::string op;
+  std::uint64_t seq = 0;
+  double start = 0;     // engine clock, seconds
+  double deadline = 0;  // engine clock, seconds
+  std::string detail;   // the backend's words, or the dead reason
+  std::string prev;     // "op #n" of the op before seq, or ""
+  bool waiter = false;  // built on a thread that waits for the op (it may run the handler)
+};
+
+// Builds a FaultError (see watched.cpp) from the Python error currently set; needs the GIL.
+std::exception_ptr fetch_python_error();
+bool python_finalizing();
+
+// Builds the exception for a fault; runs Python (takes the GIL). Returns a python_error.
+using FaultBuilder = std::function<std::exception_ptr(std::uintptr_t ctl, const FaultInfo&)>;
+void set_fault_builder(FaultBuilder builder);
+
+class GroupCtl {
+ public:
+  GroupCtl(std::string name, int rank, int size, Nanos default_timeout, bool polled, std::shared_ptr<Engine> engine)
+      : name(std::move(name)), rank(rank), size(size), default_timeout(default_timeout), polled(polled),
+        engine(std::move(engine)) {}
+
+  const std::string name;
+  const int rank;
+  const int size;
+  std::atomic<Nanos> default_timeout;
+  const bool polled;  // NCCL-like: completion only through isCompleted(), not the future
+  const std::shared_ptr<Engine> engine;
+
+  std::uintptr_t id() const { return reinterpret_cast<std::uintptr_t>(this); }
+
+  // Numbers an op (1, 2, ...); the same numbers on every rank that issues the same ops.
+  std::uint64_t begin(const char* op);
+  std::string prev_of(std::uint64_t seq);
+  std::uint64_t seq();
+
+  bool dead();
+  std::string dead_reason();
+  // Marks the group dead (first reason wins); false if it already was.
+  bool mark_dead(const std::string& reason);
+  // After recovery: alive again, with a fresh fault slot and no ops in flight.
+  void revive();
+
+  // The fault of this generation: the first caller builds the error (with `info`), everyone gets
+  // the same exception; every op still in flight fails with it.
+  std::exception_ptr fault(const FaultInfo& info);
+  // The exception to refuse a new op with on a dead group.
+  std::exception_ptr refusal(const char* op);
+  // The fault's error once delivered, else null.
+  std::exception_ptr delivered();
+
+  void track(const c10::intrusive_ptr<WatchedWork>& w);
+  void untrack(WatchedWork* w);
+  std::vector<c10::intrusive_ptr<WatchedWork>> inflight();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::uint64_t seq_ = 0;
+  static constexpr std::size_t kRing = 64;
+  const char* ring_[kRing] = {};
+  bool dead_ = false;
+  std::string dead_reason_;
+  int fault_state_ = 0;  // 0 none, 1 being built, 2 delivered
+  std::exception_ptr fault_error_;
+  // Weak: a work nobody holds any more ends its watch (release_resources) and leaves here.
+  std::unordered_map<WatchedWork*, c10::weak_intrusive_ptr<WatchedWork>> inflight_;
+};
+
+class WatchedWork : public c10d::Work {
+ public:
+  WatchedWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<GroupCtl> ctl, const char* op, std::uint64_t seq,
+              Nanos start, Nanos deadline, c10d::OpType type);
+  ~WatchedWork() override;
+  void release_resources() override;
+
+  // Starts watching (after construction: callbacks need a reference to this).
+  void arm();
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  void synchronize() override;
+  bool wait(std::chrono::milliseconds timeout) override;
+  void abort() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+  // Ends the op with `error` unless it already ended (fault delivery, refusal).
+  void fail(std::exception_ptr error);
+  // The inner work ended (from its future's callback, the poller or a waiter).
+  void inner_done(std::exception_ptr error);
+  // The deadline passed (engine executor thread).
+  void expired();
+  // For the poller: whether the inner work has finished on the device.
+  bool poll_inner();
+
+  const c10::intrusive_ptr<c10d::Work>& inner() const { return inner_; }
+
+ private:
+  FaultInfo info(const std::string& kind, const std::string& detail, bool waiter) const;
+  void finish_locked(std::exception_ptr error, std::unique_lock<std::mutex>& lk);
+  void trigger_fault_async(FaultInfo info);
+  bool wait_posted(std::chrono::milliseconds timeout);
+
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::shared_ptr<GroupCtl> ctl_;
+  const char* op_;
+  const std::uint64_t seq_;
+  const Nanos start_;
+  const Nanos deadline_;
+  std::shared_ptr<Token> token_;
+  c10::intrusive_ptr<c10::ivalue::Future> inner_fut_;  // null for posted ops (gloo send/recv)
+  c10::intrusive_ptr<c10::ivalue::Future> fut_;        // ours: completed when the op ends
+
+  mutable std::mutex wmu_;
+  std::condition_variable wcv_;
+  bool done_ = false;
+  bool inner_ended_ = false;
+  bool abandoned_ = false;  // counted in abandoned_inflight()
+  int waiters_ = 0;
+  std::exception_ptr error_;
+  std::exception_ptr inner_error_;
+};
+
+class WatchedBackend : public c10d::Backend {
+ public:
+  WatchedBackend(c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<GroupCtl> ctl);
+
+  c10::intrusive_ptr<c10d::Backend> inner();
+  // Recovery: later ops go to `fresh`; the group is alive again.
+  void swap_inner(c10::intrusive_ptr<c10d::Backend> fresh);
+  const std::shared_ptr<GroupCtl>& ctl() const { return ctl_; }
+
+  const std::string getBackendName() const override;
+  bool supportsSplitting() const override;
+  bool supportsCoalescing() const override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void waitForPendingWorks() override;
+  void setGroupUid(const std::string& pg_uid) override;
+  void eagerConnectSingleDevice(at::Device device) override;
+  void abort() override;
+  void shutdown() override;
+
+ private:
+  template <typename Opts, typename Issue>
+  c10::intrusive_ptr<c10d::Work> run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue);
+  template <typename Issue>
+  c10::intrusive_ptr<c10d::Work> run_plain(const char* op, c10d::OpType type, Issue&& issue);
+  c10::intrusive_ptr<c10d::Work> watch(const char* op, c10d::OpType type, std::uint64_t seq, Nanos start,
+                                       Nanos deadline, c10::intrusive_ptr<c10d::Work> inner);
+  Nanos deadline_for(Nanos now);
+  void refuse_if_dead(const char* op);
+
+  std::mutex inner_mu_;
+  c10::intrusive_ptr<c10d::Backend> inner_;
+  std::shared_ptr<GroupCtl> ctl_;
+};
+
+// Works that failed (at their deadline, or with their group) while their inner op was still in
+// flight: the backend will call back into them when that op ends. Interpreter exit waits for
+// this to reach 0 (bounded), so that no backend thread drops a Python error during finalization.
+std::int64_t abandoned_inflight();
+
+// The NCCL-like poller: completes the works of polled groups that nobody waits on.
+void poll_register(const c10::intrusive_ptr<WatchedWork>& work);
+
+}  // namespace fastdist::watched

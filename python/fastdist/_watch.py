@@ -1,0 +1,305 @@
+"""Watched groups: every op on a group made by (or after) ``fastdist.init_process_group`` has a
+deadline, whoever issues it.
+
+torch builds each process group as usual; when it registers the group's backend (gloo or NCCL)
+in the ProcessGroup, fastdist registers a ``fastdist._watched.WatchedBackend`` wrapping it instead
+(``ProcessGroup._register_backend`` is the one place every group passes through: the default
+group, ``new_group``, ``split_group``, DeviceMesh). The ProcessGroup stays torch's own, with its
+name and backend type, so DDP, FSDP2 and DeviceMesh take their usual paths; recovery swaps the
+wrapped backend in place, so the objects holding the group train on.
+
+The C++ side numbers and watches every op; when one expires or fails, it asks :func:`_build` here,
+once per fault, for the exception every waiter of the group raises: the who-is-missing report
+(fastdist.diagnostics) made into a :class:`CollectiveTimeoutError` or :class:`GroupAbortedError`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
+
+from . import _core, _groups, _watched, diagnostics
+from ._timeouts import current_time, get_default_timeout, run_timeout_handler
+from .errors import CollectiveTimeoutError, FastdistError, GroupAbortedError
+
+logger = logging.getLogger(__name__)
+
+WatchedBackend = _watched.WatchedBackend
+
+_BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
+_PEER_CLOSED_MARKERS = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe")
+
+_lock = threading.Lock()
+_active = False
+# ctl id -> (weak reference to the ProcessGroup, device) for every watched backend.
+_registry: dict[int, tuple[Any, torch.device]] = {}
+# The group timeout the user gave fastdist.init_process_group (seconds), or None.
+_user_timeout: Optional[float] = None
+# The most recent faults, (time.monotonic(), exception): a scope turns a backend error that torch
+# re-wrapped on its way up back into the typed one.
+_recent: list[tuple[float, BaseException]] = []
+
+_orig_register_backend = ProcessGroup._register_backend
+
+
+def _register_backend(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
+    if _active and not isinstance(backend, WatchedBackend) and backend_type in _WATCHED_TYPES:
+        backend = _wrap(pg, device, backend_type, backend)
+        if backend_type == ProcessGroup.BackendType.GLOO:
+            # torch's C++ casts the backend registered as GLOO to ProcessGroupGloo (DDP's logger
+            # reads its thread count): a wrapper registered so would be read as one. Registered as
+            # CUSTOM, torch takes its generic path; torch.distributed.get_backend(pg) still says
+            # "gloo" (it reads its own records), and the object collectives pick the CPU as before.
+            if pg._get_backend_name() == "gloo":
+                pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+            backend_type = ProcessGroup.BackendType.CUSTOM
+    return _orig_register_backend(pg, device, backend_type, backend)
+
+
+_WATCHED_TYPES = {ProcessGroup.BackendType.GLOO}
+if hasattr(ProcessGroup.BackendType, "NCCL"):
+    _WATCHED_TYPES.add(ProcessGroup.BackendType.NCCL)
+
+_wrapped: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
+    # A backend registered for several devices ("gloo" for cpu and cuda) gets one wrapper.
+    per_pg = _wrapped.setdefault(pg, {})
+    existing = per_pg.get(id(backend))
+    if existing is not None:
+        return existing
+    timeout = get_default_timeout()
+    if _user_timeout is not None:
+        options = getattr(backend, "options", None)
+        group_timeout = getattr(options, "timeout", None) or getattr(options, "_timeout", None)
+        timeout = group_timeout.total_seconds() if group_timeout is not None else _user_timeout
+    polled = backend_type != ProcessGroup.BackendType.GLOO
+    wrapper = WatchedBackend(backend, "", float(timeout), polled)
+    per_pg[id(backend)] = wrapper
+    with _lock:
+        _registry[wrapper.ctl_id] = (weakref.ref(pg), torch.device(device) if not isinstance(device, torch.device) else device)
+    return wrapper
+
+
+def activate(user_timeout: Optional[float]) -> None:
+    """Watches every group made from now on (called by fastdist.init_process_group)."""
+    global _active, _user_timeout
+    with _lock:
+        _user_timeout = user_timeout
+        if _active:
+            return
+        _watched.set_engine(_core._engine_capsule())
+        _watched.set_fault_builder(_build)
+        _watched.set_main_thread(threading.main_thread().ident or 0)
+        ProcessGroup._register_backend = _register_backend
+        _active = True
+
+
+def backend_of(pg: Any) -> Optional[Any]:
+    """The WatchedBackend of ``pg``, or None for a group that is not watched."""
+    if not isinstance(pg, ProcessGroup):
+        return None
+    for device in _device_order(pg):
+        try:
+            b = pg._get_backend(device)
+        except RuntimeError:
+            continue
+        if isinstance(b, WatchedBackend):
+            return b
+    return None
+
+
+def backends_of(pg: Any) -> list[Any]:
+    """Every distinct WatchedBackend registered in ``pg``."""
+    out: list[Any] = []
+    seen: set[int] = set()
+    for device in _device_order(pg):
+        try:
+            b = pg._get_backend(device)
+        except RuntimeError:
+            continue
+        if isinstance(b, WatchedBackend) and b.ctl_id not in seen:
+            seen.add(b.ctl_id)
+            out.append(b)
+    return out
+
+
+def _device_order(pg: Any) -> list[torch.device]:
+    try:
+        types = list(pg._device_types)
+    except (AttributeError, RuntimeError):
+        types = []
+    return types or [torch.device("cpu")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the error for a fault (called from C++, with the GIL, once per fault)
+
+
+def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
+    try:
+        err = _build_error(ctl_id, info)
+    except BaseException as exc:  # noqa: BLE001 - the handler's SystemExit too: that is the error
+        if not info["waiter"]:
+            _unwaited_handler_failed(exc)
+        raise
+    if info["kind"] != "refused":
+        _recent.append((time.monotonic(), err))
+        del _recent[:-8]
+    return err
+
+
+def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
+    entry = _registry.get(ctl_id)
+    pg = entry[0]() if entry is not None else None
+    op, seq, kind = info["op"], int(info["seq"]), info["kind"]
+    if pg is None:
+        return GroupAbortedError(op=op, group="?", rank=-1, reason=info["detail"] or f"{op} #{seq} {kind}")
+    st = _groups.state_of(pg)
+    if kind == "refused":
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=info["detail"] or "aborted")
+    start = float(info["start"])
+    deadline = float(info["deadline"])
+    last_seen = info["prev"] or None
+    if kind == "interrupted":
+        reason = f"{op} #{seq} was interrupted on rank {st.my_global_rank}"
+        _groups.mark_dead(pg, reason)
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+    text = info["detail"] or ""
+    text = text.strip().splitlines()[0] if text.strip() else ""
+    if kind == "timeout" or any(m in text for m in _BACKEND_TIMEOUT_MARKERS):
+        _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
+        if st.polled:
+            from . import _polled
+
+            _polled.abort_group(pg, st.is_default, _timeout_error(st, op, seq, start, deadline, None, last_seen,
+                                                                 "aborting the communicators hung"))
+        rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
+        err: BaseException = _timeout_error(st, op, seq, start, deadline, rep, last_seen, text or None)
+        _run_handler(err, info["waiter"])
+        return err
+    if any(m in text for m in _PEER_CLOSED_MARKERS):
+        err = _peer_closed(pg, st, op, seq, start, deadline, last_seen, text)
+        if isinstance(err, CollectiveTimeoutError):
+            _run_handler(err, info["waiter"])
+        return err
+    reason = f"{op} #{seq} failed on rank {st.my_global_rank}: {text or 'backend error'}"
+    _groups.mark_dead(pg, reason)
+    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+
+
+def _timeout_error(st: Any, op: str, seq: int, start: float, deadline: float, rep: Optional[diagnostics.Report],
+                   last_seen: Optional[str], cause: Optional[str]) -> CollectiveTimeoutError:
+    return CollectiveTimeoutError(
+        op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name,
+        timeout=deadline - start if math.isfinite(deadline) else math.inf, elapsed=current_time() - start,
+        missing_ranks=None if rep is None else rep.missing, desynced=None if rep is None else rep.desynced,
+        last_seen=last_seen, cause=cause,
+    )
+
+
+def _peer_closed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, last_seen: Optional[str],
+                 text: str) -> BaseException:
+    """A peer closed the group: it timed out first (then this is a timeout too, unless this rank
+    only arrived after that: a straggler), or it died."""
+    _groups.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
+    # Ranks still inside the op report when their deadline passes: wait for them until ours.
+    left = deadline - current_time() if math.isfinite(deadline) else 0.0
+    until = time.monotonic() + max(0.0, min(left, 60.0))
+    rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, until=until)
+    started_wall = time.time() - (current_time() - start)
+    if rep is not None and rep.timed_out and rep.first_timeout_wall is not None and rep.first_timeout_wall > started_wall:
+        return _timeout_error(st, op, seq, start, deadline, rep, last_seen,
+                              f"rank {min(rep.timed_out)} timed out first and closed the group")
+    if rep is not None and rep.timed_out:
+        why = f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
+    elif rep is not None and rep.missing:
+        many = len(rep.missing) > 1
+        why = f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or {'were' if many else 'was'} killed"
+    else:
+        why = "a peer exited or was killed"
+    reason = f"{why}; {op} #{seq} failed: {text}"
+    st.dead_reason = reason
+    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+
+
+def _run_handler(err: BaseException, waiter: bool) -> None:
+    """The timeout handler runs where the timeout was observed: in the waiting thread (whatever it
+    raises propagates there), or here on fastdist's own thread for an op nobody waits on."""
+    run_timeout_handler(err)
+
+
+def _unwaited_handler_failed(exc: BaseException) -> None:
+    from ._work import exit_process
+
+    if isinstance(exc, SystemExit):
+        exit_process(exc.code)
+    sys.unraisablehook(sys.UnraisableHookArgs(type(exc), exc, exc.__traceback__, "fastdist timeout handler", None))  # type: ignore[attr-defined,call-arg]
+
+
+def typed_error_for(exc: BaseException, since: float) -> Optional[BaseException]:
+    """The fastdist error behind ``exc`` (a RuntimeError torch made of it on its way up), if a
+    fault was delivered since ``since`` (a time.monotonic() value)."""
+    if isinstance(exc, FastdistError):
+        return None
+    for t, err in reversed(_recent):
+        if t >= since and str(err) in str(exc):
+            return err
+    for t, err in reversed(_recent):
+        if t >= since:
+            return err
+    return None
+
+
+def swap(pg: Any, fresh: Any) -> None:
+    """Rebuilds ``pg`` in place: its watched backend forwards to ``fresh`` from now on."""
+    backend = backend_of(pg)
+    if backend is None:
+        raise RuntimeError("the group is not watched by fastdist")
+    backend.swap_inner(fresh)
+
+
+def is_watched(pg: Any) -> bool:
+    return backend_of(pg) is not None
+
+
+def watched_groups() -> list[Any]:
+    """Every live watched group of this process, oldest first."""
+    with _lock:
+        entries = sorted(_registry.items())
+    out: list[Any] = []
+    seen: set[int] = set()
+    for _ctl, (ref, _device) in entries:
+        pg = ref()
+        if pg is not None and id(pg) not in seen:
+            seen.add(id(pg))
+            out.append(pg)
+    return out
+
+
+@atexit.register
+def _at_exit() -> None:
+    # Ops that failed at their deadline are still in flight in the backend, which calls back into
+    # fastdist when they end (gloo: its own timeout, shortly after the deadline). Let that happen
+    # while Python still runs.
+    end = time.monotonic() + EXIT_DRAIN_SECONDS
+    while _watched.abandoned_inflight() > 0 and time.monotonic() < end:
+        time.sleep(0.002)
+
+
+EXIT_DRAIN_SECONDS = 2.0
+
+from . import _timeouts as _timeouts_mod  # noqa: E402
+
+_timeouts_mod._typed_error_for = typed_error_for
