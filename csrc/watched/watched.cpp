@@ -173,6 +173,9 @@ void GroupCtl::revive() {
     std::lock_guard<std::mutex> lk(mu_);
     dead_ = false;
     dead_reason_.clear();
+    // Every member starts the new generation at op 1, in step again.
+    seq_ = 0;
+    std::fill(std::begin(ring_), std::end(ring_), nullptr);
     fault_state_ = 0;
     old = std::move(fault_error_);
     fault_error_ = nullptr;

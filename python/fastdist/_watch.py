@@ -103,6 +103,7 @@ def activate(user_timeout: Optional[float]) -> None:
         _watched.set_fault_builder(_build)
         _watched.set_main_thread(threading.main_thread().ident or 0)
         ProcessGroup._register_backend = _register_backend
+        _track_ddp()
         _active = True
 
 
@@ -286,6 +287,41 @@ def watched_groups() -> list[Any]:
             seen.add(id(pg))
             out.append(pg)
     return out
+
+
+# DistributedDataParallel modules on watched groups, so that recover() can reset their reducers
+# (a backward that failed leaves DDP waiting for a reduction that never finished).
+_ddp_modules: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _track_ddp() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if getattr(DistributedDataParallel.__init__, "_fastdist", False):
+        return
+    original = DistributedDataParallel.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _ddp_modules.add(self)
+
+    __init__._fastdist = True  # type: ignore[attr-defined]
+    __init__.__doc__ = original.__doc__
+    DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
+
+
+def reset_ddp(old_groups: list[Any], replacement: Optional[Any] = None) -> int:
+    """Resets every DDP module on one of ``old_groups`` after a recovery: its reducer forgets the
+    failed iteration and, with ``replacement`` (a shrunk default group), moves to that group, so
+    that gradients are averaged over the new world size. Returns how many were reset."""
+    ids = {id(g) for g in old_groups}
+    n = 0
+    for module in list(_ddp_modules):
+        pg = getattr(module, "process_group", None)
+        if id(pg) in ids:
+            module._update_process_group(replacement if replacement is not None else pg)
+            n += 1
+    return n
 
 
 @atexit.register

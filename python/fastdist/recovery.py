@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from . import _groups, _keys, _polled
+from . import _groups, _keys, _polled, _watch
 from ._timeouts import RendezvousTimeout, TimeoutLike, current_time, effective_deadline, validate_seconds
 from .errors import RecoveryError
 
@@ -225,13 +225,24 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     members = _agree(store, st, gen, deadline, allow_shrink)
     new_rank, new_size = members.index(me), len(members)
     _groups.next_generation(st.name)
+    if len(members) == st.size and _watch.is_watched(pg):
+        # Everyone came back: rebuild in place, under the same ProcessGroup objects that DDP,
+        # FSDP2, DeviceMesh and user code hold.
+        if not _polled.wait_aborts():
+            logger.warning("rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me)
+        groups = _rebuild_in_place(pg, is_default, gen, deadline)
+        _watch.reset_ddp(groups)
+        logger.info("rank %d: group %r rebuilt in place as generation %d", me, st.name, gen)
+        return pg
     if st.dead_reason is None:
         _groups.mark_dead(pg, "replaced by fastdist.recover()", level=logging.INFO)
     if not _polled.wait_aborts():
         logger.warning("rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me)
     _groups.hold(pg)
     if is_default:
+        old_groups = _watch.watched_groups() or [pg]
         new = _rebuild_default(gen, new_rank, new_size)
+        _watch.reset_ddp(old_groups, new)
     else:
         new = dist.new_group(members, timeout=_lineage["timeout"], use_local_synchronization=True)
     _groups.release_finished()
@@ -270,6 +281,54 @@ def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -
     members = sorted(int(store.get(f"{key}/{gen}/member/{i}")) for i in range(1, final + 1))
     store.set(f"{key}/latest", str(gen))
     return members
+
+
+def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> list[Any]:
+    """Swaps a fresh backend into every watched backend of ``pg`` (for the default group: of every
+    watched group, the subgroups made from it too, oldest first, the same order on every rank),
+    each on a store prefix of its own for this generation. Torch's connection set-up is bounded by
+    what is left of ``deadline``."""
+    groups = _watch.watched_groups() if is_default else [pg]
+    root = _lineage["root"] if _lineage["root"] is not None else _groups.state_of(pg).store
+    for g in groups:
+        gst = _groups.state_of(g)
+        for backend in _watch.backends_of(g):
+            left = deadline - current_time()
+            if left <= 0:
+                raise RecoveryError(group=gst.name, rank=gst.my_global_rank, generation=gen, missing_ranks=None,
+                                    reason="the deadline passed while the groups were rebuilt")
+            prefix = dist.PrefixStore(_keys.key(f"gen{gen}", gst.name, backend.name()) + "/", root)
+            fresh = _fresh_backend(backend, prefix, min(left, 1e6), gst)
+            backend.swap_inner(fresh)
+        gst.dead_reason = None
+        gst.generation = gen
+    _groups.release_finished()
+    return groups
+
+
+def _fresh_backend(old: Any, store: Any, seconds: float, st: Any) -> Any:
+    """A new backend of ``old``'s kind (gloo or NCCL) for the same rank and size."""
+    td = datetime.timedelta(seconds=seconds)
+    inner = old.inner
+    name = inner.name()
+    try:
+        if name == "gloo":
+            fresh = dist.ProcessGroupGloo(store, old.rank(), old.size(), td)
+        elif name == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td
+            fresh = dist.ProcessGroupNCCL(store, old.rank(), old.size(), opts)
+        else:
+            raise RecoveryError(group=st.name, rank=st.my_global_rank, generation=st.generation + 1, missing_ranks=None,
+                                reason=f"cannot rebuild a {name} backend in place")
+    except RuntimeError as exc:  # a member vanished while the connections were made
+        raise RecoveryError(group=st.name, rank=st.my_global_rank, generation=st.generation + 1, missing_ranks=None,
+                            reason=f"rebuilding the connections failed: {str(exc).strip().splitlines()[0]}") from None
+    try:
+        fresh._set_sequence_number_for_group()
+    except (RuntimeError, AttributeError):
+        pass
+    return fresh
 
 
 def _rebuild_default(gen: int, rank: int, world_size: int) -> Any:
