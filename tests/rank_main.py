@@ -32,8 +32,11 @@ class Context:
     def init(self) -> None:
         import torch.distributed as dist
 
+        import fastdist
+
+        # A watched group, as fastdist.init_process_group makes it: every op on it is bounded.
         prefix = dist.PrefixStore("pg", self.store)
-        dist.init_process_group("gloo", store=prefix, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=60))
+        fastdist.init_process_group("gloo", store=prefix, rank=self.rank, world_size=self.world_size, timeout=60)
 
     def wait_release(self) -> None:
         """Plays an absent rank: stays alive, in no collective, until the harness releases it."""

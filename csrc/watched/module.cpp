@@ -75,6 +75,9 @@ PYBIND11_MODULE(_watched, m) {
   m.def("pop_scope", &pop_scope);
   m.def("set_next_deadline", [](double deadline) { set_next_deadline(seconds_arg(deadline, "deadline")); });
   m.def("abandoned_inflight", &abandoned_inflight);
+  m.def("install_sigint_hook", &install_sigint_hook);
+  m.def("keep_dead_backends", &keep_dead_backends);
+  m.def("clear_next_deadline", &clear_next_deadline);
   m.def("scope_deadline", [] { return nanos_to_seconds(scope_deadline()); });
 
   py::class_<WatchedBackend, c10d::Backend, c10::intrusive_ptr<WatchedBackend>>(m, "WatchedBackend")
@@ -84,7 +87,9 @@ PYBIND11_MODULE(_watched, m) {
              auto ctl = std::make_shared<GroupCtl>(name, inner->getRank(), inner->getSize(),
                                                    seconds_arg(default_timeout, "default_timeout"), polled,
                                                    shared_engine());
-             return c10::make_intrusive<WatchedBackend>(inner, std::move(ctl));
+             auto b = c10::make_intrusive<WatchedBackend>(inner, std::move(ctl));
+             register_backend(b);
+             return b;
            }),
            py::arg("inner"), py::arg("name"), py::arg("default_timeout"), py::arg("polled") = false)
       .def_property_readonly("inner", &WatchedBackend::inner)

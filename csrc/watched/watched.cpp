@@ -2,6 +2,9 @@
 
 #include <Python.h>
 #include <pthread.h>
+#include <semaphore.h>
+#include <cerrno>
+#include <signal.h>
 #include <torch/csrc/Exceptions.h>
 
 #include <algorithm>
@@ -112,6 +115,8 @@ void set_next_deadline(Nanos deadline) {
   t_has_next = true;
 }
 
+void clear_next_deadline() { t_has_next = false; }
+
 Nanos scope_deadline() {
   if (!t_scopes.empty()) return t_scopes.back();
   if (g_open.load(std::memory_order_acquire) == 0) return kNever;
@@ -142,6 +147,14 @@ std::string GroupCtl::prev_of(std::uint64_t seq) {
   const std::uint64_t prev = seq - 1;
   if (seq < 2 || prev + kRing <= seq_ || ring_[prev % kRing] == nullptr) return "";
   return std::string(ring_[prev % kRing]) + " #" + std::to_string(prev);
+}
+
+void GroupCtl::rollback(std::uint64_t seq) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (seq_ == seq) {
+    ring_[seq % kRing] = nullptr;
+    --seq_;
+  }
 }
 
 std::uint64_t GroupCtl::seq() {
@@ -444,7 +457,15 @@ void WatchedWork::inner_done(std::exception_ptr error) {
     abandoned_ = false;
     g_abandoned.fetch_sub(1);
   }
-  if (done_) return;
+  if (done_) {
+    // Failed earlier (deadline, or the group's fault), and now the backend let go of the op:
+    // drop it, and with it the backend's connections it references (a dead group's), now.
+    if (error_) {
+      auto doomed = std::move(inner_);
+      lk.unlock();
+    }
+    return;
+  }
   if (!error) {
     finish_locked(nullptr, lk);
     return;
@@ -481,15 +502,17 @@ void WatchedWork::trigger_fault_async(FaultInfo fi) {
 }
 
 bool WatchedWork::poll_inner() {
+  c10::intrusive_ptr<c10d::Work> inner;
   {
     std::lock_guard<std::mutex> lk(wmu_);
     if (done_) return true;
+    inner = inner_;
   }
   bool completed = false;
   std::exception_ptr err;
   try {
-    completed = inner_->isCompleted();
-    if (completed && !inner_->isSuccess()) err = inner_->exception();
+    completed = inner->isCompleted();
+    if (completed && !inner->isSuccess()) err = inner->exception();
   } catch (...) {
     completed = true;
     err = std::current_exception();
@@ -514,13 +537,33 @@ std::exception_ptr WatchedWork::exception() const {
   return error_;
 }
 
-int WatchedWork::sourceRank() const { return inner_->sourceRank(); }
+int WatchedWork::sourceRank() const {
+  std::lock_guard<std::mutex> lk(wmu_);
+  return inner_ ? inner_->sourceRank() : -1;
+}
 
-std::vector<at::Tensor> WatchedWork::result() { return inner_->result(); }
+std::vector<at::Tensor> WatchedWork::result() {
+  std::lock_guard<std::mutex> lk(wmu_);
+  return inner_ ? inner_->result() : std::vector<at::Tensor>();
+}
 
-void WatchedWork::synchronize() { inner_->synchronize(); }
+void WatchedWork::synchronize() {
+  c10::intrusive_ptr<c10d::Work> inner;
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    inner = inner_;
+  }
+  if (inner) inner->synchronize();
+}
 
-void WatchedWork::abort() { inner_->abort(); }
+void WatchedWork::abort() {
+  c10::intrusive_ptr<c10d::Work> inner;
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    inner = inner_;
+  }
+  if (inner) inner->abort();
+}
 
 c10::intrusive_ptr<c10::ivalue::Future> WatchedWork::getFuture() { return fut_; }
 
@@ -563,11 +606,12 @@ bool WatchedWork::wait(std::chrono::milliseconds timeout) {
     const Nanos slice = std::min({kSlice, deadline_ - now, soft_end - now});
     if (posted) {
       // gloo send/recv: torch's own wait, in slices (a timed-out slice leaves the op posted).
+      auto inner = inner_;
       lk.unlock();
       bool ok = false;
       std::exception_ptr err;
       try {
-        ok = inner_->wait(std::chrono::milliseconds(std::max<Nanos>(1, slice / 1'000'000)));
+        ok = inner->wait(std::chrono::milliseconds(std::max<Nanos>(1, slice / 1'000'000)));
       } catch (...) {
         err = std::current_exception();
       }
@@ -576,7 +620,7 @@ bool WatchedWork::wait(std::chrono::milliseconds timeout) {
         inner_done(err);
       } else if (ok) {
         // Success, unless gloo marked it completed but not successful (a receive that timed out).
-        inner_done(inner_->isSuccess() ? nullptr : (inner_->exception() ? inner_->exception() : plain_error("receive failed")));
+        inner_done(inner->isSuccess() ? nullptr : (inner->exception() ? inner->exception() : plain_error("receive failed")));
       }
       lk.lock();
     } else if (ctl_->polled) {
@@ -612,11 +656,103 @@ bool WatchedWork::wait(std::chrono::milliseconds timeout) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Every watched backend (weakly), for Ctrl-C and exit.
+
+namespace {
+
+std::mutex& backends_mu() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+std::vector<c10::weak_intrusive_ptr<WatchedBackend>>& backends() {
+  static auto* v = new std::vector<c10::weak_intrusive_ptr<WatchedBackend>>();
+  return *v;
+}
+
+std::vector<c10::intrusive_ptr<WatchedBackend>> live_backends() {
+  std::vector<c10::intrusive_ptr<WatchedBackend>> out;
+  std::lock_guard<std::mutex> lk(backends_mu());
+  auto& v = backends();
+  v.erase(std::remove_if(v.begin(), v.end(), [&](auto& w) {
+            auto strong = w.lock();
+            if (!strong) return true;
+            out.push_back(std::move(strong));
+            return false;
+          }),
+          v.end());
+  return out;
+}
+
+struct sigaction g_prev_sigint;
+sem_t g_sigint_sem;
+
+void on_sigint(int sig, siginfo_t* info, void* context) {
+  const int saved = errno;
+  sem_post(&g_sigint_sem);  // async-signal-safe
+  errno = saved;
+  if (g_prev_sigint.sa_flags & SA_SIGINFO) {
+    if (g_prev_sigint.sa_sigaction != nullptr) g_prev_sigint.sa_sigaction(sig, info, context);
+  } else if (g_prev_sigint.sa_handler != SIG_DFL && g_prev_sigint.sa_handler != SIG_IGN) {
+    g_prev_sigint.sa_handler(sig);
+  }
+}
+
+void interrupt_loop() {
+  for (;;) {
+    while (sem_wait(&g_sigint_sem) != 0) {
+    }
+    for (auto& b : live_backends()) {
+      auto ctl = b->ctl();
+      auto works = ctl->inflight();
+      if (works.empty()) continue;
+      FaultInfo fi;
+      fi.kind = "interrupted";
+      fi.op = "op";
+      fi.seq = ctl->seq();
+      fi.detail = "interrupted (SIGINT)";
+      ctl->fault(fi);
+    }
+  }
+}
+
+}  // namespace
+
+void install_sigint_hook() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current;
+    if (sigaction(SIGINT, nullptr, &current) != 0) return;
+    const bool plain = !(current.sa_flags & SA_SIGINFO);
+    if (plain && (current.sa_handler == SIG_DFL || current.sa_handler == SIG_IGN)) return;
+    g_prev_sigint = current;
+    sem_init(&g_sigint_sem, 0, 0);
+    std::thread(interrupt_loop).detach();
+    struct sigaction sa {};
+    sa.sa_sigaction = &on_sigint;
+    sa.sa_flags = SA_SIGINFO | (current.sa_flags & SA_RESTART) | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, nullptr);
+  });
+}
+
+void keep_dead_backends() {
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Backend>>();  // never freed
+  for (auto& b : live_backends()) {
+    if (b->ctl()->dead()) kept->push_back(b->inner());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // WatchedBackend
 
 WatchedBackend::WatchedBackend(c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<GroupCtl> ctl)
     : c10d::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), ctl_(std::move(ctl)) {
   setBoundDeviceId(inner_->getBoundDeviceId());
+}
+
+void register_backend(const c10::intrusive_ptr<WatchedBackend>& b) {
+  std::lock_guard<std::mutex> lk(backends_mu());
+  backends().emplace_back(b);
 }
 
 c10::intrusive_ptr<c10d::Backend> WatchedBackend::inner() {
@@ -694,7 +830,14 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
   }
   const std::uint64_t seq = ctl_->begin(op);
   auto inner = this->inner();
-  return watch(op, type, seq, now, deadline, issue(*inner, o));
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = issue(*inner, o);
+  } catch (...) {
+    ctl_->rollback(seq);  // refused by the backend (bad arguments): nothing was sent
+    throw;
+  }
+  return watch(op, type, seq, now, deadline, std::move(work));
 }
 
 template <typename Issue>

@@ -42,6 +42,7 @@ void pop_scope();
 // The deadline for the next op issued on this thread by fastdist's own functions (the sooner of
 // their timeout= and the scopes), consumed by that op; kNever for none.
 void set_next_deadline(Nanos deadline);
+void clear_next_deadline();
 // The deadline an op issued now on this thread gets from the scopes (kNever: none).
 Nanos scope_deadline();
 // The main thread's pthread id: a waiter there runs Python's signal handlers between slices.
@@ -88,6 +89,9 @@ class GroupCtl {
   std::uint64_t begin(const char* op);
   std::string prev_of(std::uint64_t seq);
   std::uint64_t seq();
+  // Gives back `seq` when the op was refused before it was issued (bad arguments): the numbers
+  // stay in step across ranks.
+  void rollback(std::uint64_t seq);
 
   bool dead();
   std::string dead_reason();
@@ -263,6 +267,19 @@ class WatchedBackend : public c10d::Backend {
 // flight: the backend will call back into them when that op ends. Interpreter exit waits for
 // this to reach 0 (bounded), so that no backend thread drops a Python error during finalization.
 std::int64_t abandoned_inflight();
+
+// Ctrl-C: a SIGINT handler chained in front of Python's wakes a thread that ends every op in
+// flight on a watched group (the group is then dead), so a main thread blocked in torch's C++
+// (DDP's backward waits on its buckets' futures, with no signal check) gets KeyboardInterrupt
+// at once. Installed once; a handler Python installs later for SIGINT replaces it.
+void install_sigint_hook();
+
+// At interpreter exit: the inner backends of dead groups are kept alive for good, so that no
+// destructor joins a backend thread still inside an op that will not end (gloo's waits for its
+// own timeout; an exit must not).
+void keep_dead_backends();
+
+void register_backend(const c10::intrusive_ptr<WatchedBackend>& b);
 
 // The NCCL-like poller: completes the works of polled groups that nobody waits on.
 void poll_register(const c10::intrusive_ptr<WatchedWork>& work);

@@ -17,12 +17,13 @@ import threading
 import weakref
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _Backend
 
 _world = dist.distributed_c10d._world
 
-from . import _polled
+from . import _polled, _watched
 from .errors import GroupAbortedError
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class GroupState:
 
     __slots__ = (
         "ref", "name", "rank", "size", "global_ranks", "store", "seq", "_ops", "dead_reason",
-        "generation", "backend", "polled", "is_default", "__weakref__",
+        "generation", "backend", "polled", "is_default", "watched", "__weakref__",
     )
 
     def __init__(self, pg: Any) -> None:
@@ -58,6 +59,9 @@ class GroupState:
         # NCCL-like: works must be polled for completion, and aborted at the deadline.
         self.polled = _polled.is_polled(self.backend)
         self.is_default = self.name == "default"
+        # The watched backend (fastdist._watched) when the group is watched: it numbers, bounds
+        # and reports every op itself.
+        self.watched = _watched_backend(pg)
 
     def begin(self, op: str) -> int:
         """Numbers the next op on this group (1, 2, ...): the same on every rank in step."""
@@ -137,6 +141,23 @@ def name_of(pg: Any) -> str:
     if not name:
         name = dist.distributed_c10d._world.pg_names.get(pg, None) if isinstance(pg, dist.ProcessGroup) else None
     return str(name or f"backend-{id(pg):x}")
+
+
+def _watched_backend(pg: Any) -> Optional[Any]:
+    if not isinstance(pg, dist.ProcessGroup):
+        return None
+    try:
+        types = list(pg._device_types) or [torch.device("cpu")]
+    except (AttributeError, RuntimeError):
+        return None
+    for device in types:
+        try:
+            backend = pg._get_backend(device)
+        except RuntimeError:
+            continue
+        if isinstance(backend, _watched.WatchedBackend):
+            return backend
+    return None
 
 
 def _global_ranks(pg: Any) -> Optional[list[int]]:

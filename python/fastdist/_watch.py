@@ -16,6 +16,7 @@ once per fault, for the exception every waiter of the group raises: the who-is-m
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import math
 import sys
@@ -102,6 +103,7 @@ def activate(user_timeout: Optional[float]) -> None:
         _watched.set_engine(_core._engine_capsule())
         _watched.set_fault_builder(_build)
         _watched.set_main_thread(threading.main_thread().ident or 0)
+        _watched.install_sigint_hook()
         ProcessGroup._register_backend = _register_backend
         _track_ddp()
         _active = True
@@ -156,7 +158,9 @@ def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
             _unwaited_handler_failed(exc)
         raise
     if info["kind"] != "refused":
-        _recent.append((time.monotonic(), err))
+        # A copy: the error itself gets a traceback when raised, and with it the frames of the
+        # failed call; kept here, those would live on.
+        _recent.append((time.monotonic(), copy.copy(err)))
         del _recent[:-8]
     return err
 
@@ -174,9 +178,11 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     deadline = float(info["deadline"])
     last_seen = info["prev"] or None
     if kind == "interrupted":
-        reason = f"{op} #{seq} was interrupted on rank {st.my_global_rank}"
+        reason = f"an op was interrupted (Ctrl-C) on rank {st.my_global_rank}"
         _groups.mark_dead(pg, reason)
-        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+        # Ctrl-C: every op in flight on the group ends with KeyboardInterrupt, wherever torch
+        # waits for it (DDP's backward included); the group is dead.
+        return KeyboardInterrupt()
     text = info["detail"] or ""
     text = text.strip().splitlines()[0] if text.strip() else ""
     if kind == "timeout" or any(m in text for m in _BACKEND_TIMEOUT_MARKERS):
@@ -256,10 +262,10 @@ def typed_error_for(exc: BaseException, since: float) -> Optional[BaseException]
         return None
     for t, err in reversed(_recent):
         if t >= since and str(err) in str(exc):
-            return err
+            return copy.copy(err)
     for t, err in reversed(_recent):
         if t >= since:
-            return err
+            return copy.copy(err)
     return None
 
 
@@ -329,9 +335,20 @@ def _at_exit() -> None:
     # Ops that failed at their deadline are still in flight in the backend, which calls back into
     # fastdist when they end (gloo: its own timeout, shortly after the deadline). Let that happen
     # while Python still runs.
+    if not _active:
+        return
     end = time.monotonic() + EXIT_DRAIN_SECONDS
     while _watched.abandoned_inflight() > 0 and time.monotonic() < end:
         time.sleep(0.002)
+    # Right after completing an op, gloo's worker destroys it, dropping the last reference to
+    # tensors whose Python objects need the GIL: a caller that wakes on completion and exits at
+    # once can beat it into finalization, and the worker would be killed (the process aborts).
+    from ._work import EXIT_SETTLE_SECONDS
+
+    time.sleep(EXIT_SETTLE_SECONDS)
+    # A dead group's backend may still be inside an op (after Ctrl-C, one that waits for a peer
+    # until gloo's own timeout): its destructor would join that thread, and exit would wait.
+    _watched.keep_dead_backends()
 
 
 EXIT_DRAIN_SECONDS = 2.0

@@ -35,7 +35,7 @@ from torch.distributed.distributed_c10d import (
     ScatterOptions,
 )
 
-from . import _checks, _core, _groups, _polled, diagnostics
+from . import _checks, _core, _groups, _polled, _watched, diagnostics
 from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline, engine, run_timeout_handler
 from ._work import COMPLETED, EXPIRED, PENDING, abandon, exit_process, wait_until, watch
 from .errors import CollectiveTimeoutError, GroupAbortedError
@@ -181,6 +181,8 @@ def _run(
     st = _groups._states.get(id(pg))
     if st is None or st.ref() is not pg:
         st = _groups.state_of(pg)
+    if st.watched is not None:
+        return _run_watched(op, pg, st, start, deadline, issue, kind, signature, async_op, fields)
     if st.dead_reason is not None:
         _groups.check_alive(st, op)
     seq = st.begin(op)
@@ -209,6 +211,105 @@ def _run(
                 _fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
         return work
     _fail(_timed_out(pg, st, op, seq, start, deadline, token=token))
+
+
+def _run_watched(
+    op: str,
+    pg: Any,
+    st: Any,
+    start: float,
+    deadline: float,
+    issue: Callable[[Any, Any], Any],
+    kind: Optional[type],
+    signature: Callable[[], str],
+    async_op: bool,
+    fields: tuple[tuple[str, Any], ...],
+) -> Any:
+    """A watched group's op: the deadline, torch's op on the group, then the wait. The watched
+    backend numbers the op, enforces the deadline, gives gloo its per-call timeout, and raises
+    the typed error (with the report) from the wait; see fastdist._watch."""
+    if _checks._enabled:
+        # Checked calls are numbered apart from the backend's ops: a call refused for a mismatch
+        # issues no op, on every rank.
+        st.seq += 1
+        if not _checks.verify(st, op, st.seq, f"{op}({signature()})", deadline):
+            deadline = min(deadline, _monotonic())  # the backend reports the timeout, with the report
+    _watched.set_next_deadline(deadline)
+    try:
+        work = issue(pg, None if kind is None else _options(kind, math.inf, 0.0, fields))
+    finally:
+        _watched.clear_next_deadline()  # an issue that failed before reaching the backend
+    if async_op:
+        return WatchedHandle(op, work, deadline)
+    try:
+        work.wait()
+    except BaseException:
+        # The error's traceback holds this frame: it must not hold the op too (see _fail).
+        work = None
+        raise
+    return work
+
+
+class WatchedHandle:
+    """fastdist's handle for an op issued with ``async_op=True`` on a watched group: the op's
+    deadline was fixed at issue, and the op is watched whether or not anyone waits. ``wait()``
+    returns True once the op is done, or raises :class:`CollectiveTimeoutError` (or
+    :class:`GroupAbortedError`) at that deadline; ``wait(timeout)`` waits at most ``timeout`` more
+    seconds and raises a plain :class:`TimeoutError` if that ends first (the op is still watched)."""
+
+    _fastdist_handle = True  # fastdist.wait() calls wait(timeout) on it
+    __slots__ = ("op", "_work", "_deadline")
+
+    def __init__(self, op: str, work: Any, deadline: float) -> None:
+        self.op = op
+        self._work = work
+        self._deadline = deadline
+
+    @property
+    def deadline(self) -> float:
+        """The op's absolute deadline on :func:`fastdist.current_time`'s clock."""
+        return self._deadline
+
+    def wait(self, timeout: TimeoutLike = None) -> bool:
+        if timeout is None:
+            return bool(self._work.wait())
+        now = current_time()
+        limit = min(self._deadline, effective_deadline(timeout, now))
+        if limit >= self._deadline:
+            return bool(self._work.wait())
+        try:
+            return bool(self._work.wait(datetime.timedelta(seconds=max(0.001, limit - now))))
+        except RuntimeError as exc:
+            if "timed out" not in str(exc):
+                raise
+        raise TimeoutError(
+            f"wait() on {self.op} gave up after {limit - now:.3g} s; the op is still in flight "
+            f"and its deadline is in {max(0.0, self._deadline - current_time()):.3g} s"
+        )
+
+    def is_completed(self) -> bool:
+        """True once the op finished, successfully or not (its deadline passing included)."""
+        return bool(self._work.is_completed())
+
+    def exception(self) -> Optional[BaseException]:
+        """The error the op ended with (a timeout included), or None; None while in flight."""
+        if not self._work.is_completed():
+            return None
+        try:
+            self._work.wait()
+        except BaseException as exc:  # noqa: BLE001 - the op's own error, returned
+            return exc
+        return None
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def _source_rank(self) -> int:
+        return int(self._work._source_rank())
+
+    def __repr__(self) -> str:
+        state = "completed" if self._work.is_completed() else "pending"
+        return f"<fastdist.WatchedHandle {self.op} {state}, deadline in {self._deadline - current_time():.3f} s>"
 
 
 def _wait_polled(op: str, pg: Any, st: Any, seq: int, work: Any, start: float, deadline: float) -> Any:

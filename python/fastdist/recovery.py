@@ -302,6 +302,7 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
             backend.swap_inner(fresh)
         gst.dead_reason = None
         gst.generation = gen
+        gst.seq = 0
     _groups.release_finished()
     return groups
 
