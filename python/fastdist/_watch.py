@@ -40,6 +40,8 @@ WatchedBackend = _watched.WatchedBackend
 _BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
 _PEER_CLOSED_MARKERS = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe")
 
+PEER_CLOSED_WAIT = 5.0
+
 _lock = threading.Lock()
 _active = False
 # ctl id -> (weak reference to the ProcessGroup, device) for every watched backend.
@@ -222,8 +224,10 @@ def _peer_closed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: fl
     only arrived after that: a straggler), or it died."""
     _groups.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
     # Ranks still inside the op report when their deadline passes: wait for them until ours.
+    # (At most PEER_CLOSED_WAIT: with a group's default timeout of minutes, the live ranks that
+    # still wait for theirs would otherwise keep this one waiting as long.)
     left = deadline - current_time() if math.isfinite(deadline) else 0.0
-    until = time.monotonic() + max(0.0, min(left, 60.0))
+    until = time.monotonic() + max(0.0, min(left, PEER_CLOSED_WAIT))
     rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, until=until)
     started_wall = time.time() - (current_time() - start)
     if rep is not None and rep.timed_out and rep.first_timeout_wall is not None and rep.first_timeout_wall > started_wall:
@@ -328,6 +332,41 @@ def reset_ddp(old_groups: list[Any], replacement: Optional[Any] = None) -> int:
             module._update_process_group(replacement if replacement is not None else pg)
             n += 1
     return n
+
+
+def reset_fsdp() -> int:
+    """Resets the per-iteration state of every root FSDP2 module (``reset_iter_state``, torch's
+    own recovery hook for a forward or backward that raised), so that the next step starts from
+    sharded parameters. Returns how many were reset."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return 0
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return 0
+    import gc
+
+    roots = [m for m in gc.get_objects() if isinstance(m, FSDPModule) and _fsdp_is_root(m)]
+    for m in roots:
+        if not hasattr(m, "reset_iter_state"):  # torch before 2.11: reshard what can be
+            m.reshard()
+            continue
+        try:
+            m.reset_iter_state()
+        except FastdistError:
+            # It waits on the failed step's all-gathers, which raise their fault: forget them.
+            for state in m._get_fsdp_state()._state_ctx.all_states:
+                for group in state._fsdp_param_groups:
+                    group._all_gather_result = None
+            m.reset_iter_state()
+    return len(roots)
+
+
+def _fsdp_is_root(module: Any) -> bool:
+    try:
+        return module._get_fsdp_state()._is_root is not False
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @atexit.register

@@ -232,6 +232,7 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
             logger.warning("rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me)
         groups = _rebuild_in_place(pg, is_default, gen, deadline)
         _watch.reset_ddp(groups)
+        _watch.reset_fsdp()
         logger.info("rank %d: group %r rebuilt in place as generation %d", me, st.name, gen)
         return pg
     if st.dead_reason is None:
