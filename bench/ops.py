@@ -21,22 +21,60 @@ def _checked(fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+def make_groups() -> tuple:
+    """The benchmarks' two groups over the same ranks: the default group, plain gloo (made with
+    torch's own init_process_group, before fastdist watches anything), and a watched group made
+    after fastdist.init's watching is switched on. Every rank calls this in the same order."""
+    from fastdist import _watch
+
+    _watch.activate(None)
+    watched = dist.new_group(list(range(dist.get_world_size())))
+    assert _watch.is_watched(watched) and not _watch.is_watched(dist.group.WORLD)
+    return dist.group.WORLD, watched
+
+
+def _ddp_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    return step
+
+
 def make_ops(world_size: int) -> dict[str, Callable[[], None]]:
+    plain, watched = make_groups()
     one = torch.ones(1)
     out1 = [torch.zeros(1) for _ in range(world_size)]
     mb = torch.ones(256 * 1024)  # 1 MB of float32
     out_mb = [torch.zeros_like(mb) for _ in range(world_size)]
+    # A DDP training step on a model of about 1M parameters, on each group (same weights).
+    ddp = {}
+    x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(0))
+    for name, group in (("plain", plain), ("watched", watched)):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(1024, 960), torch.nn.ReLU(), torch.nn.Linear(960, 16)), process_group=group
+        )
+        ddp[name] = _ddp_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), x)
     return {
+        # fastdist's own calls (on a watched group, as after fastdist.init_process_group) against
+        # raw torch on a plain gloo group.
         "raw_barrier": lambda: dist.barrier(),
-        "fd_barrier": lambda: fastdist.barrier(timeout=30),
+        "fd_barrier": lambda: fastdist.barrier(watched, timeout=30),
         "raw_all_gather_1": lambda: dist.all_gather(out1, one),
-        "fd_all_gather_1": lambda: fastdist.all_gather(out1, one, timeout=30),
+        "fd_all_gather_1": lambda: fastdist.all_gather(out1, one, watched, timeout=30),
         "raw_all_gather_1mb": lambda: dist.all_gather(out_mb, mb),
-        "fd_all_gather_1mb": lambda: fastdist.all_gather(out_mb, mb, timeout=30),
+        "fd_all_gather_1mb": lambda: fastdist.all_gather(out_mb, mb, watched, timeout=30),
         "raw_all_reduce_1": lambda: dist.all_reduce(one),
-        "fd_all_reduce_1": lambda: fastdist.all_reduce(one, timeout=30),
+        "fd_all_reduce_1": lambda: fastdist.all_reduce(one, group=watched, timeout=30),
         "raw_all_reduce_1mb": lambda: dist.all_reduce(mb),
-        "fd_all_reduce_1mb": lambda: fastdist.all_reduce(mb, timeout=30),
+        "fd_all_reduce_1mb": lambda: fastdist.all_reduce(mb, group=watched, timeout=30),
+        # torch.distributed itself on a watched group against the same on a plain group.
+        "w_all_reduce_1": lambda: dist.all_reduce(one, group=watched),
+        "w_all_reduce_1mb": lambda: dist.all_reduce(mb, group=watched),
+        "raw_ddp_step": ddp["plain"],
+        "w_ddp_step": ddp["watched"],
         # FASTDIST_CHECK's price: the same all_reduce with the cross-rank signature check on.
-        "fd_all_reduce_1_checked": _checked(lambda: fastdist.all_reduce(one, timeout=30)),
+        "fd_all_reduce_1_checked": _checked(lambda: fastdist.all_reduce(one, group=watched, timeout=30)),
     }

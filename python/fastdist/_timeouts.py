@@ -140,59 +140,93 @@ class DeadlineScope:
         return f"DeadlineScope(deadline={self.deadline:.3f}, remaining={self.remaining():.3f} s)"
 
 
-@contextlib.contextmanager
-def fail_at(deadline: float) -> Iterator[DeadlineScope]:
-    """Bounds every fastdist call inside the block by an absolute ``deadline`` on
-    :func:`current_time`'s clock. Calls inside get the sooner of their own deadline and this one;
-    a call that starts after the deadline raises at once, without touching the network.
+class _Scope(DeadlineScope):
+    """An open fail_after / fail_at scope: a context manager that is its own DeadlineScope. A class
+    rather than a generator: entering and leaving it is on every training step's path."""
 
-    The scope bounds fastdist calls only: it does not interrupt other code, and leaving it
-    raises nothing by itself.
+    __slots__ = ("_reset", "_since")
+
+    def __enter__(self) -> DeadlineScope:
+        outer = _scope_deadline.get()
+        if outer < self.deadline:
+            self.deadline = outer
+        self._reset = _scope_deadline.set(self.deadline)
+        # The C++ side of watched groups reads the scope from the thread (and, for threads that
+        # never ran Python, such as autograd's device threads, from the soonest scope open in the
+        # process).
+        _push_scope(self.deadline)
+        self._since = _monotonic_wall()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        _pop_scope()
+        _scope_deadline.reset(self._reset)
+        if exc_type is not None and issubclass(exc_type, RuntimeError) and _typed_error_for is not None:
+            # torch re-wraps some errors on their way up (autograd): give back the typed one,
+            # chained to what torch raised.
+            typed = _typed_error_for(exc, self._since)
+            if typed is not None:
+                raise typed from exc
+
+
+_push_scope = _watched.push_scope
+_pop_scope = _watched.pop_scope
+_monotonic_wall = time.monotonic
+
+
+def fail_at(deadline: float) -> _Scope:
+    """Bounds every fastdist call inside the block, and every op on a watched group issued from
+    it (torch's own included: DDP's backward, FSDP2, ``torch.distributed.*``), by an absolute
+    ``deadline`` on :func:`current_time`'s clock. Calls inside get the sooner of their own
+    deadline and this one; a call that starts after the deadline raises at once, without touching
+    the network.
+
+    The scope bounds collectives only: it does not interrupt other code, and leaving it raises
+    nothing by itself.
     """
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
         raise TypeError(f"deadline must be a number (seconds on fastdist.current_time()), got {type(deadline).__name__}: {deadline!r}")
     if math.isnan(deadline):
         raise ValueError(f"deadline must not be NaN, got {deadline!r}")
-    with _enter(float(deadline)) as scope:
-        yield scope
+    return _Scope(float(deadline))
 
 
-@contextlib.contextmanager
-def fail_after(seconds: Union[float, datetime.timedelta]) -> Iterator[DeadlineScope]:
-    """Bounds every fastdist call inside the block to finish within ``seconds`` of entering it::
+def fail_after(seconds: Union[float, datetime.timedelta]) -> _Scope:
+    """Bounds every fastdist call inside the block, and every op on a watched group issued from
+    it, to finish within ``seconds`` of entering it::
 
         with fastdist.fail_after(30):
+            loss = model(batch).sum()     # DDP / FSDP2 collectives included
+            loss.backward()
             fastdist.barrier()            # each call gets the time left of the 30 s
-            fastdist.all_gather(out, t)
+
+    The countdown starts when the block is entered.
     """
-    budget = validate_seconds(seconds, "seconds")
-    with _enter(current_time() + budget) as scope:
-        yield scope
+    kind = type(seconds)
+    if (kind is float or kind is int) and seconds > 0 and seconds == seconds:  # type: ignore[operator,comparison-overlap]
+        return _Relative(float(seconds))  # type: ignore[arg-type]
+    return _Relative(validate_seconds(seconds, "seconds"))
+
+
+class _Relative(_Scope):
+    """fail_after: the deadline is fixed when the block is entered."""
+
+    __slots__ = ("_budget",)
+
+    def __init__(self, budget: float) -> None:
+        self._budget = budget
+        self.deadline = math.inf
+
+    def __enter__(self) -> DeadlineScope:
+        self.deadline = _now() + self._budget
+        return _Scope.__enter__(self)
+
+
+_now = _core.monotonic
 
 
 # Set by fastdist._watch: finds the fastdist error behind an exception torch re-wrapped.
 _typed_error_for: Optional[Callable[[BaseException, float], Optional[BaseException]]] = None
-
-
-@contextlib.contextmanager
-def _enter(deadline: float) -> Iterator[DeadlineScope]:
-    scope = DeadlineScope(min(deadline, _scope_deadline.get()))
-    reset = _scope_deadline.set(scope.deadline)
-    # The C++ side of watched groups reads the scope from the thread (and, for threads that never
-    # ran Python, such as autograd's device threads, from the soonest scope open in the process).
-    _watched.push_scope(scope.deadline)
-    since = time.monotonic()
-    try:
-        yield scope
-    except RuntimeError as exc:
-        # torch re-wraps some errors on their way up (autograd): give back the typed one, chained.
-        typed = _typed_error_for(exc, since) if _typed_error_for is not None else None
-        if typed is None:
-            raise
-        raise typed from exc
-    finally:
-        _watched.pop_scope()
-        _scope_deadline.reset(reset)
 
 
 # ---------------------------------------------------------------------------------------------

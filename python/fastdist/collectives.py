@@ -522,6 +522,8 @@ def wait(work: Any, timeout: TimeoutLike = None) -> Any:
     deadline = effective_deadline(timeout, start)
     if getattr(work, "_fastdist_handle", False):  # a fastdist Work or fastdist.rpc.RpcFuture
         return work.wait(DeadlineScope(deadline))
+    if type(work) is torch.futures.Future and work.done():
+        return work.wait()  # nothing to wait for: no deadline to set
     if not (hasattr(work, "wait") and (hasattr(work, "get_future") or hasattr(work, "add_done_callback"))):
         raise TypeError(f"work must be a torch Work or torch.futures.Future, got {type(work).__name__}")
     finished, _token, has_future = wait_until(work, deadline)
