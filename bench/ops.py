@@ -22,15 +22,18 @@ def _checked(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def make_groups() -> tuple:
-    """The benchmarks' two groups over the same ranks: the default group, plain gloo (made with
-    torch's own init_process_group, before fastdist watches anything), and a watched group made
-    after fastdist.init's watching is switched on. Every rank calls this in the same order."""
+    """The benchmarks' two groups over the same ranks, made the same way (new_group): a plain gloo
+    group, made before fastdist watches anything (the default group came from torch's own
+    init_process_group), and a watched one, made once watching is on (as after
+    fastdist.init_process_group). Every rank calls this in the same order."""
     from fastdist import _watch
 
+    ranks = list(range(dist.get_world_size()))
+    plain = dist.new_group(ranks)
     _watch.activate(None)
-    watched = dist.new_group(list(range(dist.get_world_size())))
-    assert _watch.is_watched(watched) and not _watch.is_watched(dist.group.WORLD)
-    return dist.group.WORLD, watched
+    watched = dist.new_group(ranks)
+    assert _watch.is_watched(watched) and not _watch.is_watched(plain)
+    return plain, watched
 
 
 def _ddp_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> Callable[[], None]:
@@ -60,15 +63,15 @@ def make_ops(world_size: int) -> dict[str, Callable[[], None]]:
     return {
         # fastdist's own calls (on a watched group, as after fastdist.init_process_group) against
         # raw torch on a plain gloo group.
-        "raw_barrier": lambda: dist.barrier(),
+        "raw_barrier": lambda: dist.barrier(plain),
         "fd_barrier": lambda: fastdist.barrier(watched, timeout=30),
-        "raw_all_gather_1": lambda: dist.all_gather(out1, one),
+        "raw_all_gather_1": lambda: dist.all_gather(out1, one, plain),
         "fd_all_gather_1": lambda: fastdist.all_gather(out1, one, watched, timeout=30),
-        "raw_all_gather_1mb": lambda: dist.all_gather(out_mb, mb),
+        "raw_all_gather_1mb": lambda: dist.all_gather(out_mb, mb, plain),
         "fd_all_gather_1mb": lambda: fastdist.all_gather(out_mb, mb, watched, timeout=30),
-        "raw_all_reduce_1": lambda: dist.all_reduce(one),
+        "raw_all_reduce_1": lambda: dist.all_reduce(one, group=plain),
         "fd_all_reduce_1": lambda: fastdist.all_reduce(one, group=watched, timeout=30),
-        "raw_all_reduce_1mb": lambda: dist.all_reduce(mb),
+        "raw_all_reduce_1mb": lambda: dist.all_reduce(mb, group=plain),
         "fd_all_reduce_1mb": lambda: fastdist.all_reduce(mb, group=watched, timeout=30),
         # torch.distributed itself on a watched group against the same on a plain group.
         "w_all_reduce_1": lambda: dist.all_reduce(one, group=watched),

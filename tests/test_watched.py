@@ -35,6 +35,13 @@ def test_ddp_step_in_fail_after_names_the_stopped_rank_and_trains_on_after_recov
     _check_training(results, describe(results))
 
 
+def test_ddp_on_the_polled_path_the_nccl_logic_on_gloo() -> None:
+    """The same DDP run with the group watched as NCCL groups are (completion polled, not taken
+    from the future; FASTDIST_TEST_POLLED=1): the deadline, report and recovery hold there too."""
+    results = run_ranks("watched_ddp", 3, timeout=120, env={"FASTDIST_TEST_POLLED": "1"})
+    _check_training(results, describe(results))
+
+
 def test_fsdp2_step_in_fail_after_names_the_stopped_rank_and_trains_on_after_recover() -> None:
     results = run_ranks("watched_fsdp2", 3, timeout=120)
     _check_training(results, describe(results))
