@@ -11,8 +11,10 @@
 // token removes its heap entry; its action does not run.
 //
 // Nothing here knows about Python; the bindings convert arguments and release the GIL around the
-// blocking calls. Lock order: the GIL (held by callers from Python) before the engine mutex; the
-// engine never waits for the GIL while holding its mutex.
+// blocking calls. Lock order, everywhere (fork preparation included): the GIL (held by callers
+// from Python), then the engine mutex, then the executor mutex. No code waits for the GIL while
+// holding either mutex: actions (which may be Python callables, whose call and destruction take
+// the GIL) are run and destroyed with no engine or executor lock held.
 #pragma once
 
 #include <atomic>

@@ -70,8 +70,14 @@ bool Executor::flush(Nanos max_wait) {
 void Executor::stop(Nanos max_wait) {
   std::unique_lock<std::mutex> lk(st_->mu);
   st_->stop = true;
-  st_->queue.clear();
+  // Actions that never ran are destroyed outside the lock: destroying a Python action takes the
+  // GIL, and a thread holding the GIL may be waiting for this lock (stats(), post()).
+  std::deque<Action> dropped;
+  dropped.swap(st_->queue);
   st_->cv.notify_all();
+  lk.unlock();
+  dropped.clear();
+  lk.lock();
   if (!started_ || !thread_.joinable()) return;
   if (thread_.get_id() == std::this_thread::get_id()) {
     // The last reference to the engine was dropped by an action: the thread cannot join itself.

@@ -173,3 +173,87 @@ def watched_ctrl_c(ctx) -> None:
     except KeyboardInterrupt:
         ctx.record("interrupted", where="recv", after=time.monotonic() - sent[0])
     ctx.record("dead", default=fastdist.is_dead(), sub=fastdist.is_dead(sub))
+
+
+def reliability_single(ctx) -> None:
+    """One rank (a world of 1 on the harness's store): huge timeouts, non-contiguous tensors,
+    refused calls that must not skew the op numbers, and the message of a call made after its
+    scope's deadline."""
+    import math
+
+    from fastdist import _groups
+
+    fastdist.init_process_group("gloo", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1, timeout=60)
+    st = _groups.state_of(dist.group.WORLD)
+    huge = {}
+    for value in (8e9, 1e10, 1e18, 10**30, math.inf):
+        t0 = time.monotonic()
+        ok = fastdist.barrier(timeout=value)
+        t = torch.ones(1)
+        fastdist.broadcast(t, src=0, timeout=value)  # per-call options carry the timeout
+        huge[str(value)] = ok is True and time.monotonic() - t0 < 5
+    fastdist.set_default_timeout(1e18)
+    huge["default_1e18"] = fastdist.barrier() is True
+    fastdist.set_default_timeout(None)
+    ctx.record("huge", ok=huge)
+    errors = {}
+    wide = torch.ones(4, 4)
+    for name, call in (
+        ("all_reduce", lambda: fastdist.all_reduce(wide.t()[0], timeout=5)),
+        ("all_gather", lambda: fastdist.all_gather([torch.zeros(4)], wide[:, 0], timeout=5)),
+        ("broadcast", lambda: fastdist.broadcast(wide[:, 1], src=0, timeout=5)),
+        ("all_gather_list", lambda: fastdist.all_gather([wide[:, 0]], torch.zeros(4), timeout=5)),
+    ):
+        try:
+            call()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    ctx.record("contiguous", errors=errors)
+    before = st.watched.seq
+    refused = []
+    for call in (lambda: fastdist.all_gather([torch.zeros(1)] * 3, torch.zeros(1), timeout=5),
+                 lambda: fastdist.all_reduce(torch.ones(1), op="sum", timeout=5)):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            refused.append(type(e).__name__)
+    ctx.record("seq", before=before, after=st.watched.seq, refused=refused)
+    with fastdist.fail_after(0.05):
+        time.sleep(0.2)
+        try:
+            fastdist.barrier()
+            ctx.record("no_error")
+        except fastdist.CollectiveTimeoutError as e:
+            ctx.record("expired", message=str(e), timeout=e.timeout)
+    fastdist.recover(timeout=10)
+    ctx.record("after", ok=fastdist.barrier(timeout=5))
+
+
+def two_threads_one_group(ctx) -> None:
+    """2 ranks: on rank 0, a second thread's blocking call on the group while the first thread's
+    is still running is refused, naming both threads; the first call completes correctly."""
+    ctx.init()
+    fastdist.barrier(timeout=20)
+    if ctx.rank == 1:
+        time.sleep(1.0)
+        t = torch.ones(1)
+        fastdist.all_reduce(t, timeout=20)
+        return
+    result = {}
+
+    def first():
+        t = torch.ones(1)
+        fastdist.all_reduce(t, timeout=20)
+        result["first"] = t.item()
+
+    th = threading.Thread(target=first, name="trainer")
+    th.start()
+    time.sleep(0.3)
+    try:
+        fastdist.barrier(timeout=5)
+        result["second"] = "no error"
+    except RuntimeError as e:
+        result["second"] = str(e)
+    th.join(20)
+    ctx.record("threads", **result)

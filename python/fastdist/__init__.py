@@ -8,6 +8,18 @@ Importing fastdist starts no thread: the deadline engine starts with the first d
 
 from __future__ import annotations
 
+import torch as _torch
+
+from . import _build_info
+
+if _torch.__version__ != _build_info.TORCH_VERSION:
+    # fastdist._watched links libtorch: a build serves exactly the torch it was compiled against.
+    raise ImportError(
+        f"fastdist was built against torch {_build_info.TORCH_VERSION}, and this is torch {_torch.__version__}: "
+        "rebuild fastdist for this torch (pip install --no-build-isolation --force-reinstall --no-deps <fastdist "
+        "source>, or make setup)"
+    )
+
 from ._checks import checks_enabled, set_checks
 from . import _watch  # noqa: F401  (watched groups: patches torch at init_process_group)
 from ._groups import is_dead

@@ -37,7 +37,7 @@ class GroupState:
 
     __slots__ = (
         "ref", "name", "rank", "size", "global_ranks", "store", "seq", "_ops", "dead_reason",
-        "generation", "backend", "polled", "is_default", "watched", "__weakref__",
+        "generation", "backend", "polled", "is_default", "watched", "owner", "__weakref__",
     )
 
     def __init__(self, pg: Any) -> None:
@@ -62,6 +62,8 @@ class GroupState:
         # The watched backend (fastdist._watched) when the group is watched: it numbers, bounds
         # and reports every op itself.
         self.watched = _watched_backend(pg)
+        # The thread in a blocking fastdist call on the group, if any (see collectives).
+        self.owner: Optional[int] = None
 
     def begin(self, op: str) -> int:
         """Numbers the next op on this group (1, 2, ...): the same on every rank in step."""

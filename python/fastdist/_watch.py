@@ -199,7 +199,8 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
             _polled.abort_group(pg, st.is_default, _timeout_error(st, op, seq, start, deadline, None, last_seen,
                                                                  "aborting the communicators hung"))
         rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
-        err: BaseException = _timeout_error(st, op, seq, start, deadline, rep, last_seen, text or None)
+        cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
+        err: BaseException = _timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
         _run_handler(err, info["waiter"])
         return err
     if any(m in text for m in _PEER_CLOSED_MARKERS):

@@ -70,14 +70,16 @@ def backend_grace(budget: float) -> float:
 # (kind, backend timeout, fields) can be shared by every call. Timeouts are rounded up to 10 ms so
 # that calls with the same timeout= share one; the cache is bounded.
 _OPTIONS_STEP_MS = 10
+# About 31 years: a longer per-call timeout overflows in the backend (gloo's milliseconds).
+_BACKEND_TIMEOUT_MAX = 1e9
 _options_cache: dict[tuple[Any, ...], Any] = {}
 
 
 def _options(kind: type, deadline: float, now: float, fields: tuple[tuple[str, Any], ...] = ()) -> Any:
     """A ``kind`` (e.g. ``AllgatherOptions``) with ``fields`` set, whose timeout makes the backend
     give up ``backend_grace`` after ``deadline``; for no deadline, the group's own default."""
-    if deadline == math.inf:
-        ms = -1
+    if deadline == math.inf or deadline - now > _BACKEND_TIMEOUT_MAX:
+        ms = -1  # beyond what the backend can represent: no backend timeout; the engine keeps the deadline
     else:
         budget = deadline - now
         grace = 0.1 * budget  # backend_grace(), inlined: this runs on every call
@@ -234,6 +236,10 @@ def _run_watched(
         st.seq += 1
         if not _checks.verify(st, op, st.seq, f"{op}({signature()})", deadline):
             deadline = min(deadline, _monotonic())  # the backend reports the timeout, with the report
+    me = _get_ident()
+    owner = st.owner
+    if owner is not None and owner != me and not async_op:
+        _concurrent_use(st, op, owner, me)
     _watched.set_next_deadline(deadline)
     try:
         work = issue(pg, None if kind is None else _options(kind, math.inf, 0.0, fields))
@@ -241,13 +247,31 @@ def _run_watched(
         _watched.clear_next_deadline()  # an issue that failed before reaching the backend
     if async_op:
         return WatchedHandle(op, work, deadline)
+    st.owner = me
     try:
         work.wait()
     except BaseException:
         # The error's traceback holds this frame: it must not hold the op too (see _fail).
         work = None
         raise
+    finally:
+        st.owner = None
     return work
+
+
+_get_ident = threading.get_ident
+
+
+def _concurrent_use(st: Any, op: str, owner: int, me: int) -> NoReturn:
+    # Two threads in blocking calls on one group at once interleave their ops differently on
+    # each rank: gloo then pairs the wrong ops and the results are silently wrong (or the process
+    # aborts). Collectives torch issues on its own threads (autograd, DDP, FSDP2) do not come here.
+    names = {t.ident: t.name for t in threading.enumerate()}
+    raise RuntimeError(
+        f"{op} on group {st.name!r}: thread {names.get(me, me)!r} called it while thread {names.get(owner, owner)!r} "
+        "is still in a blocking fastdist call on the same group; ops on one group must come from one thread at a "
+        "time, in the same order on every rank (use one group per thread)"
+    )
 
 
 class WatchedHandle:
@@ -548,11 +572,23 @@ def _check_bool(value: object, name: str) -> None:
 def _check_tensor(value: object, name: str) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_contiguous():
+        _not_contiguous(name, value)
+
+
+def _not_contiguous(name: str, value: torch.Tensor) -> NoReturn:
+    # gloo reads and writes the tensor's storage as if it were contiguous: the result would be
+    # silently wrong (torch does not check either).
+    raise ValueError(f"{name} must be contiguous (gloo would silently use the wrong elements); got a tensor with "
+                     f"shape {list(value.shape)} and strides {list(value.stride())}: pass {name}.contiguous()")
 
 
 def _check_tensor_list(value: object, name: str) -> None:
     if not isinstance(value, list) or not all(isinstance(t, torch.Tensor) for t in value):
         raise TypeError(f"{name} must be a list of torch.Tensor, got {type(value).__name__}")
+    for t in value:
+        if not t.is_contiguous():
+            _not_contiguous(name, t)
 
 
 def _check_rank(value: object, name: str) -> None:
@@ -633,14 +669,16 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     deadline = effective_deadline(timeout, start)
     if not isinstance(tensor_list, list):
         _check_tensor_list(tensor_list, "tensor_list")
-    if not isinstance(tensor, torch.Tensor):
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
         _check_tensor(tensor, "tensor")
     if async_op is not False:
         _check_bool(async_op, "async_op")
     dtype = tensor.dtype
-    for t in tensor_list:  # one pass: types (for the exact message) and dtypes
+    for t in tensor_list:  # one pass: types (for the exact message), dtypes, layout
         if not isinstance(t, torch.Tensor):
             _check_tensor_list(tensor_list, "tensor_list")
+        if not t.is_contiguous():
+            _not_contiguous("tensor_list", t)
         if t.dtype != dtype:
             raise ValueError(f"tensor_list must hold tensors of tensor's dtype ({dtype}), got {t.dtype}")
     if tensor.is_complex():
@@ -664,7 +702,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, 
     """``torch.distributed.all_reduce`` with a deadline."""
     start = _monotonic()
     deadline = effective_deadline(timeout, start)
-    if not isinstance(tensor, torch.Tensor):
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
         _check_tensor(tensor, "tensor")
     if async_op is not False:
         _check_bool(async_op, "async_op")

@@ -102,7 +102,13 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
 
     def _message(self) -> str:
         what = self.op if self.seq is None else f"{self.op} #{self.seq}"
-        text = f"{what} on group {self.group!r} timed out after {_fmt_seconds(self.timeout)} on rank {self.rank}"
+        if self.timeout is not None and self.timeout <= 0:
+            # The call came after its deadline (a scope's budget spent by earlier work): it was
+            # not issued on this rank.
+            text = (f"{what} on group {self.group!r} was not issued on rank {self.rank}: its deadline had passed "
+                    f"{_fmt_seconds(-self.timeout)} before the call")
+        else:
+            text = f"{what} on group {self.group!r} timed out after {_fmt_seconds(self.timeout)} on rank {self.rank}"
         parts = []
         if self.missing_ranks:
             seen = f" (last seen in {self.last_seen})" if self.last_seen else ""

@@ -281,7 +281,26 @@ def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -
         )
     members = sorted(int(store.get(f"{key}/{gen}/member/{i}")) for i in range(1, final + 1))
     store.set(f"{key}/latest", str(gen))
+    _forget_generation(store, st, gen - 1)
     return members
+
+
+def _forget_generation(store: Any, st: Any, gen: int) -> None:
+    """Deletes fastdist's keys of generation ``gen`` of the group: every member is past it (they
+    all agreed on the next one), so nothing reads them any more; without this the store would
+    gain a dozen keys per timeout and recovery. (torch's own keys of the old backend stay.)"""
+    if gen < 0:
+        return
+    rec = _keys.key("recover", st.name, gen)
+    diag = _keys.key("diag", st.name, gen)
+    doomed = [f"{rec}/count", f"{rec}/final", f"{diag}/count"]
+    doomed += [f"{rec}/member/{i}" for i in range(1, st.size + 1)]
+    doomed += [f"{diag}/status/{r}" for r in range(st.size)]
+    for k in doomed:
+        try:
+            store.delete_key(k)
+        except RuntimeError:  # a store without delete (HashStore has it; FileStore too)
+            return
 
 
 def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> list[Any]:

@@ -1,0 +1,67 @@
+"""Defects found by a fault and bad-input sweep, each with its regression test: huge timeouts,
+non-contiguous tensors, op numbers that a refused call must not skew, the message of a call made
+after its deadline, two threads in blocking calls on one group, the engine's shutdown against
+stats(). (Ctrl-C in DDP's backward and in recv, and the exit after it: tests/test_watched.py.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mp import describe, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_huge_timeouts_non_contiguous_tensors_refused_calls_and_expired_deadlines() -> None:
+    results = run_ranks("reliability_single", 1, timeout=60)
+    info = describe(results)
+    r = results[0]
+    assert r.returncode == 0, info
+    # Any finite timeout beyond what gloo can represent: no backend timeout, no overflow, no hang.
+    assert all(r.record("huge")["ok"].values()), info
+    errors = r.record("contiguous")["errors"]
+    for name, message in errors.items():
+        arg = "tensor_list" if name == "all_gather_list" else "tensor"
+        assert message is not None and message.startswith(f"{arg} must be contiguous"), info
+    seq = r.record("seq")
+    assert seq["refused"] == ["ValueError", "TypeError"] and seq["after"] == seq["before"], info
+    expired = r.record("expired")
+    assert expired["timeout"] < 0 and "was not issued on rank 0: its deadline had passed" in expired["message"], info
+    assert "timed out after -" not in expired["message"], info
+    assert r.record("after")["ok"] is True, info
+
+
+def test_a_second_thread_on_a_busy_group_is_refused_naming_both() -> None:
+    results = run_ranks("two_threads_one_group", 2, timeout=60)
+    info = describe(results)
+    assert all(r.returncode == 0 for r in results), info
+    rec = results[0].record("threads")
+    assert rec["first"] == 2.0, info
+    assert "thread 'MainThread' called it while thread 'trainer'" in rec["second"], info
+
+
+def test_engine_shutdown_while_another_thread_reads_stats() -> None:
+    from fastdist import _core
+
+    e = _core.Engine(fake_clock=True)
+    gate = threading.Event()
+    for _ in range(200):
+        e.add(1.0, lambda: gate.wait(0.002))  # Python actions, queued on the executor
+    e.advance(2.0)
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            e.stats()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    done = threading.Event()
+    threading.Thread(target=lambda: (e.shutdown(1.0), done.set()), daemon=True).start()
+    try:
+        assert done.wait(20), "Engine.shutdown() deadlocked against stats()"
+    finally:
+        stop.set()
+        t.join(5)
