@@ -370,6 +370,13 @@ WatchedWork::~WatchedWork() = default;
 void WatchedWork::release_resources() {
   ctl_->untrack(this);
   if (token_) token_->cancel();
+  // Nobody can end this op any more: a future that torch's code still waits on must not hang.
+  bool done;
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    done = done_;
+  }
+  if (!done) fut_->setErrorIfNeeded(plain_error(std::string(op_) + " #" + std::to_string(seq_) + " was abandoned"));
 }
 
 void WatchedWork::arm() {
@@ -497,8 +504,16 @@ void WatchedWork::expired() {
 }
 
 void WatchedWork::trigger_fault_async(FaultInfo fi) {
+  // Holds this work until the fault is delivered to it: torch's callers may hold only its future
+  // (DDP's reducer), and the backend's callback that brought the error drops its reference when
+  // it returns. (Called only from a context that holds a reference: a callback or the expiry.)
+  auto self = c10::intrusive_ptr<WatchedWork>::reclaim_copy(this);
   auto ctl = ctl_;
-  std::thread([ctl, fi]() { ctl->fault(fi); }).detach();
+  std::thread([ctl, fi, self]() mutable {
+    auto err = ctl->fault(fi);
+    self->fail(err);
+    self.reset();
+  }).detach();
 }
 
 bool WatchedWork::poll_inner() {

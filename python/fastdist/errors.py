@@ -115,7 +115,7 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
             parts.append(f"{_fmt_ranks(self.missing_ranks)} never arrived{seen}")
         for r, doing in sorted((self.desynced or {}).items()):
             parts.append(f"rank {r} is in {doing}")
-        if self.missing_ranks is not None and not parts:
+        if self.missing_ranks is not None and not parts and (self.timeout is None or self.timeout > 0):
             parts.append("every rank arrived, but the collective did not finish in time")
         if parts:
             text += ": " + "; ".join(parts)
