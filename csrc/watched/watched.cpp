@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <signal.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <set>
@@ -762,7 +763,9 @@ void keep_dead_backends() {
 
 WatchedBackend::WatchedBackend(c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<GroupCtl> ctl)
     : c10d::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), ctl_(std::move(ctl)) {
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 3
   setBoundDeviceId(inner_->getBoundDeviceId());
+#endif
 }
 
 void register_backend(const c10::intrusive_ptr<WatchedBackend>& b) {
@@ -993,8 +996,12 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::barrier(const c10d::BarrierOption
 }
 void WatchedBackend::waitForPendingWorks() { inner()->waitForPendingWorks(); }
 void WatchedBackend::setGroupUid(const std::string& pg_uid) {
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
   c10d::Backend::setGroupUid(pg_uid);
   inner()->setGroupUid(pg_uid);
+#else
+  (void)pg_uid;
+#endif
 }
 void WatchedBackend::eagerConnectSingleDevice(at::Device device) { inner()->eagerConnectSingleDevice(device); }
 void WatchedBackend::abort() { inner()->abort(); }

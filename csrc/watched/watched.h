@@ -143,7 +143,7 @@ class WatchedWork : public c10d::Work {
   std::vector<at::Tensor> result() override;
   void synchronize() override;
   bool wait(std::chrono::milliseconds timeout) override;
-  void abort() override;
+  void abort();
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
   // Ends the op with `error` unless it already ended (fault delivery, refusal).
@@ -193,12 +193,14 @@ class WatchedBackend : public c10d::Backend {
   const std::shared_ptr<GroupCtl>& ctl() const { return ctl_; }
 
   const std::string getBackendName() const override;
-  bool supportsSplitting() const override;
-  bool supportsCoalescing() const override;
-  void setTimeout(std::chrono::milliseconds timeout) override;
+  // Virtual in the Backend of newer torch versions (they override there), plain members where an
+  // older torch has no such virtual: one source builds against torch 2.6 and newer.
+  bool supportsSplitting() const;
+  bool supportsCoalescing() const;
+  void setTimeout(std::chrono::milliseconds timeout);
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
-  c10::intrusive_ptr<Options> getBackendOptions() override;
+  c10::intrusive_ptr<Options> getBackendOptions();
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
@@ -243,10 +245,10 @@ class WatchedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   void waitForPendingWorks() override;
-  void setGroupUid(const std::string& pg_uid) override;
-  void eagerConnectSingleDevice(at::Device device) override;
-  void abort() override;
-  void shutdown() override;
+  void setGroupUid(const std::string& pg_uid);
+  void eagerConnectSingleDevice(at::Device device);
+  void abort();
+  void shutdown();
 
  private:
   template <typename Opts, typename Issue>

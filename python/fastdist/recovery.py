@@ -281,14 +281,16 @@ def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -
         )
     members = sorted(int(store.get(f"{key}/{gen}/member/{i}")) for i in range(1, final + 1))
     store.set(f"{key}/latest", str(gen))
-    _forget_generation(store, st, gen - 1)
+    # Generation gen - 1's reports stay: a straggler of it, left out, reads them to learn that the
+    # others timed out (rather than blame them as dead). The one before goes.
+    _forget_generation(store, st, gen - 2)
     return members
 
 
 def _forget_generation(store: Any, st: Any, gen: int) -> None:
-    """Deletes fastdist's keys of generation ``gen`` of the group: every member is past it (they
-    all agreed on the next one), so nothing reads them any more; without this the store would
-    gain a dozen keys per timeout and recovery. (torch's own keys of the old backend stay.)"""
+    """Deletes fastdist's keys of generation ``gen`` of the group: every member is two generations
+    past it, so nothing reads them any more; without this the store would gain a dozen keys per
+    timeout and recovery. (torch's own keys of the old backends stay.)"""
     if gen < 0:
         return
     rec = _keys.key("recover", st.name, gen)
