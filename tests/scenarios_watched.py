@@ -257,3 +257,62 @@ def two_threads_one_group(ctx) -> None:
         result["second"] = str(e)
     th.join(20)
     ctx.record("threads", **result)
+
+
+def every_op_times_out(ctx) -> None:
+    """2 ranks; rank 1 stays away. Rank 0 calls every public op, each on a watched subgroup of its
+    own (made while both ranks were there), with a short timeout: each raises
+    CollectiveTimeoutError naming rank 1, within the timeout plus the report window and slack."""
+    ctx.init()
+    ops = [
+        "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+        "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "send",
+        "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "gather_object",
+        "broadcast_object_list", "scatter_object_list",
+    ]
+    groups = {name: dist.new_group([0, 1]) for name in ops}
+    fastdist.barrier(timeout=20)
+    if ctx.rank == 1:
+        ctx.wait_release()
+        return
+    T = 0.3
+    big = torch.zeros(16 * 1024 * 1024)  # 64 MB: more than the socket buffers take without a reader
+    one = torch.ones(2)
+
+    def calls(name, g):
+        two = [torch.zeros(2), torch.zeros(2)]
+        return {
+            "all_reduce": lambda: fastdist.all_reduce(one, group=g, timeout=T),
+            "reduce": lambda: fastdist.reduce(one, dst=1, group=g, timeout=T),
+            "broadcast": lambda: fastdist.broadcast(one, src=1, group=g, timeout=T),
+            "all_gather": lambda: fastdist.all_gather(two, one, g, timeout=T),
+            "all_gather_into_tensor": lambda: fastdist.all_gather_into_tensor(torch.zeros(4), one, g, timeout=T),
+            "reduce_scatter": lambda: fastdist.reduce_scatter(torch.zeros(2), two, group=g, timeout=T),
+            "reduce_scatter_tensor": lambda: fastdist.reduce_scatter_tensor(torch.zeros(2), torch.ones(4), group=g, timeout=T),
+            "gather": lambda: fastdist.gather(one, two, dst=0, group=g, timeout=T),
+            "scatter": lambda: fastdist.scatter(torch.zeros(2), None, src=1, group=g, timeout=T),
+            "all_to_all": lambda: fastdist.all_to_all(two, [torch.ones(2), torch.ones(2)], g, timeout=T),
+            "all_to_all_single": lambda: fastdist.all_to_all_single(torch.zeros(4), torch.ones(4), group=g, timeout=T),
+            "barrier": lambda: fastdist.barrier(g, timeout=T),
+            "send": lambda: fastdist.send(big, dst=1, group=g, timeout=T),
+            "recv": lambda: fastdist.recv(torch.zeros(2), src=1, group=g, timeout=T),
+            "isend": lambda: fastdist.isend(big, dst=1, group=g, timeout=T).wait(),
+            "irecv": lambda: fastdist.irecv(torch.zeros(2), src=1, group=g, timeout=T).wait(),
+            "batch_isend_irecv": lambda: [h.wait() for h in fastdist.batch_isend_irecv(
+                [dist.P2POp(dist.irecv, torch.zeros(2), 1, g)], timeout=T)],
+            "all_gather_object": lambda: fastdist.all_gather_object([None, None], {"a": 1}, g, timeout=T),
+            "gather_object": lambda: fastdist.gather_object({"a": 1}, [None, None], dst=0, group=g, timeout=T),
+            "broadcast_object_list": lambda: fastdist.broadcast_object_list([None], src=1, group=g, timeout=T),
+            "scatter_object_list": lambda: fastdist.scatter_object_list([None], None, src=1, group=g, timeout=T),
+        }[name]
+
+    out = {}
+    for name in ops:
+        t0 = time.monotonic()
+        try:
+            calls(name, groups[name])()
+            out[name] = {"kind": "no error"}
+        except fastdist.FastdistError as e:
+            out[name] = {"kind": type(e).__name__, "missing": getattr(e, "missing_ranks", None),
+                         "seconds": time.monotonic() - t0, "dead": fastdist.is_dead(groups[name])}
+    ctx.record("ops", results=out, timeout=T)

@@ -65,3 +65,15 @@ def test_engine_shutdown_while_another_thread_reads_stats() -> None:
     finally:
         stop.set()
         t.join(5)
+
+
+def test_every_public_op_times_out_naming_the_missing_rank() -> None:
+    results = run_ranks("every_op_times_out", 2, absent=(1,), timeout=90)
+    info = describe(results)
+    assert results[0].returncode == 0, info
+    rec = results[0].record("ops")
+    T = rec["timeout"]
+    for name, r in rec["results"].items():
+        assert r["kind"] == "CollectiveTimeoutError", f"{name}: {r}\n{info}"
+        assert r["missing"] == [1] and r["dead"], f"{name}: {r}\n{info}"
+        assert T <= r["seconds"] < T + 1.0, f"{name}: {r}\n{info}"

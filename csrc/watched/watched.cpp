@@ -43,10 +43,6 @@ std::exception_ptr plain_error(const std::string& what) {
   return std::make_exception_ptr(std::runtime_error("fastdist: " + what));
 }
 
-bool is_timeout_text(const std::string& text) {
-  return text.find("imed out") != std::string::npos || text.find("Timeout") != std::string::npos;
-}
-
 std::string what_of(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
@@ -402,7 +398,34 @@ void WatchedWork::arm() {
       });
     }
     poll_register(self);
-  } else if (inner_fut_) {
+  } else if (!inner_fut_) {
+    // A posted op (gloo send/recv) has no future, and gloo's wait() is the only way to learn
+    // that it ended: one wait, on a thread of its own, for the whole budget plus a grace. (Never
+    // in slices: a gloo send/recv whose wait times out closes the pair, and the op with it.)
+    const Nanos now = steady_now();
+    std::chrono::milliseconds budget = kNoTimeout;
+    if (deadline_ != kNever) {
+      const double left = nanos_to_seconds(std::max<Nanos>(deadline_ - now, 0));
+      const double grace = std::min(1.0, std::max(0.1, 0.1 * left));
+      budget = std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil((left + grace) * 1000.0)));
+    }
+    auto inner = inner_;
+    std::thread([self, inner, budget]() mutable {
+      std::exception_ptr err;
+      bool ok = false;
+      try {
+        ok = inner->wait(budget);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      if (!err && !(ok && inner->isSuccess())) {
+        // gloo can mark a receive that timed out completed but not successful.
+        err = inner->exception() ? inner->exception() : plain_error("the point-to-point op did not succeed");
+      }
+      self->inner_done(err);
+      self.reset();
+    }).detach();
+  } else {
     // Holds the work until the op ends: torch's callers (DDP's reducer) keep only the future.
     inner_fut_->addCallback([self](c10::ivalue::Future& f) mutable {
       self->inner_done(f.hasError() ? f.exception_ptr() : nullptr);
@@ -427,7 +450,7 @@ FaultInfo WatchedWork::info(const std::string& kind, const std::string& detail, 
 void WatchedWork::finish_locked(std::exception_ptr error, std::unique_lock<std::mutex>& lk) {
   done_ = true;
   error_ = error;
-  if (error && !inner_ended_ && inner_fut_ && !abandoned_) {
+  if (error && !inner_ended_ && !ctl_->polled && !abandoned_) {
     abandoned_ = true;
     g_abandoned.fetch_add(1);
   }
@@ -492,9 +515,6 @@ void WatchedWork::inner_done(std::exception_ptr error) {
 void WatchedWork::expired() {
   std::unique_lock<std::mutex> lk(wmu_);
   if (done_) return;
-  // A posted op (gloo send/recv) says it ended only to a waiter: unwaited, it cannot be told
-  // from a hung one, so its deadline alone does not kill the group.
-  if (!inner_fut_ && !ctl_->polled && waiters_ == 0) return;
   if (waiters_ > 0) {
     lk.unlock();
     wcv_.notify_all();
@@ -535,6 +555,15 @@ bool WatchedWork::poll_inner() {
   }
   if (!completed) return false;
   inner_done(err);
+  return true;
+}
+
+bool WatchedWork::wake_waiter() {
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    if (waiters_ == 0) return false;
+  }
+  wcv_.notify_all();
   return true;
 }
 
@@ -590,15 +619,19 @@ bool WatchedWork::wait(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lk(wmu_);
   ++waiters_;
   struct Leave {
-    int& n;
-    ~Leave() { --n; }
+    std::atomic<int>& n;
+    ~Leave() { n.fetch_sub(1); }
   } leave{waiters_};
-  const bool posted = !inner_fut_ && !ctl_->polled;
   Nanos interval = 20'000;  // polled: 20 us, backing off to 1 ms
   for (;;) {
     if (done_) {
-      if (error_) std::rethrow_exception(error_);
-      return true;
+      if (!error_) return true;
+      auto error = error_;
+      lk.unlock();
+      // A Ctrl-C that ended the group's ops: raise Python's KeyboardInterrupt (its handler runs
+      // here, once), not the group's error.
+      if (auto interrupt = check_signals()) std::rethrow_exception(interrupt);
+      std::rethrow_exception(error);
     }
     const Nanos now = steady_now();
     std::string kind;
@@ -620,26 +653,7 @@ bool WatchedWork::wait(std::chrono::milliseconds timeout) {
       TORCH_CHECK(false, "Operation timed out!");
     }
     const Nanos slice = std::min({kSlice, deadline_ - now, soft_end - now});
-    if (posted) {
-      // gloo send/recv: torch's own wait, in slices (a timed-out slice leaves the op posted).
-      auto inner = inner_;
-      lk.unlock();
-      bool ok = false;
-      std::exception_ptr err;
-      try {
-        ok = inner->wait(std::chrono::milliseconds(std::max<Nanos>(1, slice / 1'000'000)));
-      } catch (...) {
-        err = std::current_exception();
-      }
-      if (err && is_timeout_text(what_of(err)) && steady_now() < deadline_) err = nullptr;  // a slice ran out
-      if (err) {
-        inner_done(err);
-      } else if (ok) {
-        // Success, unless gloo marked it completed but not successful (a receive that timed out).
-        inner_done(inner->isSuccess() ? nullptr : (inner->exception() ? inner->exception() : plain_error("receive failed")));
-      }
-      lk.lock();
-    } else if (ctl_->polled) {
+    if (ctl_->polled) {
       lk.unlock();
       bool finished = poll_inner();
       lk.lock();
@@ -719,14 +733,21 @@ void interrupt_loop() {
     }
     for (auto& b : live_backends()) {
       auto ctl = b->ctl();
-      auto works = ctl->inflight();
-      if (works.empty()) continue;
+      std::vector<c10::intrusive_ptr<WatchedWork>> unwaited;
+      for (auto& w : ctl->inflight()) {
+        if (!w->wake_waiter()) unwaited.push_back(w);
+      }
+      if (unwaited.empty()) continue;
+      // Ops that torch's C++ waits on (DDP's buckets): end them, so the main thread gets back to
+      // Python, where Python's own handler raises the KeyboardInterrupt.
       FaultInfo fi;
       fi.kind = "interrupted";
       fi.op = "op";
       fi.seq = ctl->seq();
       fi.detail = "interrupted (SIGINT)";
-      ctl->fault(fi);
+      ctl->mark_dead("an op was interrupted (Ctrl-C) on rank " + std::to_string(ctl->rank));
+      auto err = ctl->fault(fi);
+      for (auto& w : unwaited) w->fail(err);
     }
   }
 }

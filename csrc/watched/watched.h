@@ -154,6 +154,9 @@ class WatchedWork : public c10d::Work {
   void expired();
   // For the poller: whether the inner work has finished on the device.
   bool poll_inner();
+  // Ctrl-C: wakes a waiter at once (it runs Python's signal handler itself and raises its
+  // KeyboardInterrupt); returns false when nobody waits (the op must be ended for torch's waiter).
+  bool wake_waiter();
 
   const c10::intrusive_ptr<c10d::Work>& inner() const { return inner_; }
 
@@ -178,7 +181,7 @@ class WatchedWork : public c10d::Work {
   bool done_ = false;
   bool inner_ended_ = false;
   bool abandoned_ = false;  // counted in abandoned_inflight()
-  int waiters_ = 0;
+  std::atomic<int> waiters_{0};
   std::exception_ptr error_;
   std::exception_ptr inner_error_;
 };

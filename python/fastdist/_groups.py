@@ -219,7 +219,12 @@ def release_finished() -> int:
 def is_dead(group: Any = None) -> bool:
     """Whether fastdist considers ``group`` (default: the default group) aborted."""
     pg = resolve(group)
-    return pg is not None and state_of(pg).dead_reason is not None
+    if pg is None:
+        return False
+    st = state_of(pg)
+    if st.watched is not None:
+        return bool(st.watched.dead)  # the watched backend knows first (a fault is marked there)
+    return st.dead_reason is not None
 
 
 def next_generation(name: str) -> int:

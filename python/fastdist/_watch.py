@@ -186,9 +186,11 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     if kind == "interrupted":
         reason = f"an op was interrupted (Ctrl-C) on rank {st.my_global_rank}"
         _groups.mark_dead(pg, reason)
-        # Ctrl-C: every op in flight on the group ends with KeyboardInterrupt, wherever torch
-        # waits for it (DDP's backward included); the group is dead.
-        return KeyboardInterrupt()
+        # Ctrl-C: every op in flight on the group ends, wherever torch waits for it (DDP's backward
+        # included), and the group is dead. The KeyboardInterrupt itself is Python's: its handler
+        # runs as soon as the main thread is back in Python, a moment later (raising one here too
+        # would give two).
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     text = info["detail"] or ""
     text = text.strip().splitlines()[0] if text.strip() else ""
     if kind == "timeout" or any(m in text for m in _BACKEND_TIMEOUT_MARKERS):
