@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 WatchedBackend = _watched.WatchedBackend
 
-_BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
-_PEER_CLOSED_MARKERS = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe")
+_BACKEND_TIMEOUT_MARKERS = diagnostics.BACKEND_TIMEOUT_MARKERS
+_PEER_CLOSED_MARKERS = diagnostics.PEER_CLOSED_MARKERS
 
 PEER_CLOSED_WAIT = 5.0
 
@@ -236,17 +236,9 @@ def _peer_closed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: fl
     left = deadline - current_time() if math.isfinite(deadline) else 0.0
     until = time.monotonic() + max(0.0, min(left, PEER_CLOSED_WAIT))
     rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, until=until)
-    started_wall = time.time() - (current_time() - start)
-    if rep is not None and rep.timed_out and rep.first_timeout_wall is not None and rep.first_timeout_wall > started_wall:
-        return _timeout_error(st, op, seq, start, deadline, rep, last_seen,
-                              f"rank {min(rep.timed_out)} timed out first and closed the group")
-    if rep is not None and rep.timed_out:
-        why = f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
-    elif rep is not None and rep.missing:
-        many = len(rep.missing) > 1
-        why = f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or {'were' if many else 'was'} killed"
-    else:
-        why = "a peer exited or was killed"
+    cause, why = diagnostics.peer_closed_verdict(rep, time.time() - (current_time() - start))
+    if cause is not None:
+        return _timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
     reason = f"{why}; {op} #{seq} failed: {text}"
     st.dead_reason = reason
     return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)

@@ -49,9 +49,8 @@ __all__ = [
 _world = dist.distributed_c10d._world
 _monotonic = _core.monotonic
 
-# What gloo says when its own per-call timeout fires, and when a peer closed the group.
-_BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
-_PEER_CLOSED_MARKERS = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe")
+_BACKEND_TIMEOUT_MARKERS = diagnostics.BACKEND_TIMEOUT_MARKERS
+_PEER_CLOSED_MARKERS = diagnostics.PEER_CLOSED_MARKERS
 
 
 def backend_grace(budget: float) -> float:
@@ -138,20 +137,12 @@ def _backend_failed(pg: Any, st: Any, op: str, seq: int, start: float, deadline:
     # Ranks still inside the op report when their deadline passes: wait for them until ours.
     until = time.monotonic() + (deadline - current_time())
     rep = diagnostics.report(st, op, seq, "aborted", deadline - start, until=until)
-    started_wall = time.time() - (current_time() - start)
-    if rep is not None and rep.timed_out and rep.first_timeout_wall is not None and rep.first_timeout_wall > started_wall:
-        return _timeout_error(st, op, seq, start, deadline, rep, f"rank {min(rep.timed_out)} timed out first and closed the group")
-    else:
-        if rep is not None and rep.timed_out:
-            why = f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
-        elif rep is not None and rep.missing:
-            many = len(rep.missing) > 1
-            why = f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or {'were' if many else 'was'} killed"
-        else:
-            why = "a peer exited or was killed"
-        reason = f"{why}; {op} #{seq} failed: {text}"
-        st.dead_reason = reason
-        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+    cause, why = diagnostics.peer_closed_verdict(rep, time.time() - (current_time() - start))
+    if cause is not None:
+        return _timeout_error(st, op, seq, start, deadline, rep, cause)
+    reason = f"{why}; {op} #{seq} failed: {text}"
+    st.dead_reason = reason
+    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
 
 
 # ---------------------------------------------------------------------------------------------

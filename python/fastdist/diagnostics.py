@@ -87,3 +87,23 @@ def report(st: Any, op: str, seq: int, state: str, budget: float, until: Optiona
             t = float(rec.get("t", 0.0))
             out.first_timeout_wall = t if out.first_timeout_wall is None else min(out.first_timeout_wall, t)
     return out
+
+
+# What gloo says when its own per-call timeout fires, and when a peer closed the group.
+BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
+PEER_CLOSED_MARKERS = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe")
+
+
+def peer_closed_verdict(rep: Optional[Report], started_wall: float) -> tuple[Optional[str], str]:
+    """What a report says about a group a peer closed under this rank's op (started at
+    ``started_wall``, a time.time()): ``(cause, "")`` when a peer timed out while this rank was in
+    the op (then this is a timeout too), else ``(None, why)``: this rank arrived after a peer had
+    timed out and aborted (a straggler), or peers exited or were killed."""
+    if rep is not None and rep.timed_out and rep.first_timeout_wall is not None and rep.first_timeout_wall > started_wall:
+        return f"rank {min(rep.timed_out)} timed out first and closed the group", ""
+    if rep is not None and rep.timed_out:
+        return None, f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
+    if rep is not None and rep.missing:
+        many = len(rep.missing) > 1
+        return None, f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or {'were' if many else 'was'} killed"
+    return None, "a peer exited or was killed"
