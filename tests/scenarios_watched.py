@@ -316,3 +316,38 @@ def every_op_times_out(ctx) -> None:
             out[name] = {"kind": type(e).__name__, "missing": getattr(e, "missing_ranks", None),
                          "seconds": time.monotonic() - t0, "dead": fastdist.is_dead(groups[name])}
     ctx.record("ops", results=out, timeout=T)
+
+
+def member_dies_inside_recover(ctx) -> None:
+    """3 ranks: rank 2 hangs past a timeout, then joins recover() and is SIGKILLed right after the
+    agreement, while the group is rebuilt. Ranks 0 and 1 get RecoveryError within recover's
+    timeout plus a second; their next recover(allow_shrink=True) leaves rank 2 out and works."""
+    from fastdist import recovery
+
+    ctx.init()
+    fastdist.barrier(timeout=20)
+    if ctx.rank == 2:
+        time.sleep(1.5)
+        original = recovery._rebuild_in_place
+
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        recovery._rebuild_in_place = die
+        fastdist.recover(timeout=10)
+        return
+    try:
+        fastdist.barrier(timeout=0.5)
+    except fastdist.CollectiveTimeoutError as e:
+        ctx.record("timeout", missing=e.missing_ranks)
+    t0 = time.monotonic()
+    try:
+        fastdist.recover(timeout=4)
+        ctx.record("no_error")
+    except fastdist.RecoveryError as e:
+        ctx.record("recovery_error", seconds=time.monotonic() - t0, message=str(e))
+    new = fastdist.recover(timeout=5, allow_shrink=True)
+    t = torch.ones(1)
+    fastdist.all_reduce(t, group=new, timeout=10)
+    ctx.record("recovered", world_size=dist.get_world_size(), value=t.item())

@@ -77,3 +77,16 @@ def test_every_public_op_times_out_naming_the_missing_rank() -> None:
         assert r["kind"] == "CollectiveTimeoutError", f"{name}: {r}\n{info}"
         assert r["missing"] == [1] and r["dead"], f"{name}: {r}\n{info}"
         assert T <= r["seconds"] < T + 1.0, f"{name}: {r}\n{info}"
+
+
+def test_a_member_killed_inside_recover_bounds_it_and_the_next_recover_works() -> None:
+    results = run_ranks("member_dies_inside_recover", 3, timeout=90)
+    info = describe(results)
+    assert results[2].returncode == -9, info
+    for r in results[:2]:
+        assert r.returncode == 0, info
+        assert r.record("timeout")["missing"] == [2], info
+        err = r.record("recovery_error")
+        assert err["seconds"] < 4 + 1.0, info  # within recover's timeout plus a second
+        rec = r.record("recovered")
+        assert rec["world_size"] == 2 and rec["value"] == 2.0, info

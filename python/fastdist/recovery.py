@@ -225,6 +225,9 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     members = _agree(store, st, gen, deadline, allow_shrink)
     new_rank, new_size = members.index(me), len(members)
     _groups.next_generation(st.name)
+    # The agreed generation is used up, whatever happens next: if a member vanishes while the
+    # group is rebuilt (RecoveryError at the deadline), the next recover() agrees on the one after.
+    st.generation = gen
     if len(members) == st.size and _watch.is_watched(pg):
         # Everyone came back: rebuild in place, under the same ProcessGroup objects that DDP,
         # FSDP2, DeviceMesh and user code hold.
