@@ -351,3 +351,27 @@ def member_dies_inside_recover(ctx) -> None:
     t = torch.ones(1)
     fastdist.all_reduce(t, group=new, timeout=10)
     ctx.record("recovered", world_size=dist.get_world_size(), value=t.item())
+
+
+def store_host_dies(ctx) -> None:
+    """3 ranks on tcp://, the store hosted by rank 0; rank 0 is SIGKILLed while the others are in
+    an all_reduce. Ranks 1 and 2 get a typed error saying the store (at HOST:PORT, in rank 0) is
+    gone; recover() raises RecoveryError saying so at once."""
+    port = int(os.environ["FASTDIST_RDZV_PORT"])  # a free port the test picked: rank 0 hosts the store
+    fastdist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=ctx.rank, world_size=ctx.world_size, timeout=30)
+    t = torch.ones(8 * 1024 * 1024)
+    fastdist.all_reduce(torch.ones(1), timeout=20)
+    if ctx.rank == 0:
+        time.sleep(0.3)  # the others are inside their all_reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        fastdist.all_reduce(t, timeout=2)
+        ctx.record("no_error")
+    except fastdist.FastdistError as e:
+        ctx.record("error", kind=type(e).__name__, message=str(e))
+    t0 = time.monotonic()
+    try:
+        fastdist.recover(timeout=5)
+        ctx.record("recovered")
+    except fastdist.RecoveryError as e:
+        ctx.record("recovery_error", seconds=time.monotonic() - t0, message=str(e))

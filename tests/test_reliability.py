@@ -90,3 +90,21 @@ def test_a_member_killed_inside_recover_bounds_it_and_the_next_recover_works() -
         assert err["seconds"] < 4 + 1.0, info  # within recover's timeout plus a second
         rec = r.record("recovered")
         assert rec["world_size"] == 2 and rec["value"] == 2.0, info
+
+
+def test_the_store_host_dies_and_the_errors_say_so() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = run_ranks("store_host_dies", 3, timeout=90, env={"FASTDIST_RDZV_PORT": str(port)})
+    info = describe(results)
+    assert results[0].returncode == -9, info
+    for r in results[1:]:
+        assert r.returncode == 0, info
+        err = r.record("error")
+        assert err["kind"] in ("GroupAbortedError", "CollectiveTimeoutError"), info
+        assert f"store at 127.0.0.1:{port} (in rank 0) cannot be reached" in err["message"], info
+        rec = r.record("recovery_error")
+        assert rec["seconds"] < 1.0 and f"127.0.0.1:{port} (in rank 0)" in rec["message"], info

@@ -202,6 +202,8 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
                                                                  "aborting the communicators hung"))
         rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
         cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
+        if rep is None and diagnostics.store_failure is not None:
+            cause = diagnostics.store_gone_reason()
         err: BaseException = _timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
         _run_handler(err, info["waiter"])
         return err
@@ -237,6 +239,8 @@ def _peer_closed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: fl
     until = time.monotonic() + max(0.0, min(left, PEER_CLOSED_WAIT))
     rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, until=until)
     cause, why = diagnostics.peer_closed_verdict(rep, time.time() - (current_time() - start))
+    if rep is None and diagnostics.store_failure is not None:
+        why = diagnostics.store_gone_reason()
     if cause is not None:
         return _timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
     reason = f"{why}; {op} #{seq} failed: {text}"

@@ -27,6 +27,19 @@ from . import _keys
 
 logger = logging.getLogger(__name__)
 
+# Where the job's store lives, for messages when it is gone: "HOST:PORT (in rank 0)" (set by
+# fastdist.init_process_group), and what the last failed store operation said.
+store_location: Optional[str] = None
+store_failure: Optional[str] = None
+
+
+def store_gone_reason() -> str:
+    """Says that the job's store is unreachable, and where it was."""
+    where = f" at {store_location}" if store_location else ""
+    return (f"the job's store{where} cannot be reached ({store_failure or 'connection lost'}): its host exited or "
+            "was killed, and reports and recovery go through it; restart the job")
+
+
 MAX_WINDOW_SECONDS = 1.0
 WINDOW_FRACTION = 0.1
 _POLL_SECONDS = 0.005
@@ -71,7 +84,9 @@ def report(st: Any, op: str, seq: int, state: str, budget: float, until: Optiona
             elif store.check([key]):
                 records[r] = json.loads(store.get(key))
     except Exception as exc:  # a dead store must not turn a timeout into another failure
-        logger.warning("rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, exc)
+        global store_failure
+        store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        logger.warning("rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, store_failure)
         return None
     out = Report()
     for r in range(st.size):

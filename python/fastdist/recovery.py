@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from . import _groups, _keys, _polled, _watch
+from . import _groups, _keys, _polled, _watch, diagnostics
 from ._timeouts import RendezvousTimeout, TimeoutLike, current_time, effective_deadline, validate_seconds
 from .errors import RecoveryError
 
@@ -94,6 +94,8 @@ def init_process_group(
         )
         rdzv_mod.check_versions(store, rank, world_size, host, port, timeout=connect)
         init_method = None
+        hosted_by = "torchrun's agent" if agent else "in rank 0"
+        diagnostics.store_location = f"{host}:{port} ({hosted_by})"
         if agent:
             # torchrun's agent keeps its store across restarts of the worker group: torch's own keys
             # (gloo's addresses) of the last attempt must not be read by this one.
@@ -222,7 +224,12 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     if store is None:
         raise RecoveryError(group=st.name, rank=me, generation=gen, reason="the group has no store to agree through", missing_ranks=None)
 
-    members = _agree(store, st, gen, deadline, allow_shrink)
+    try:
+        members = _agree(store, st, gen, deadline, allow_shrink)
+    except (RuntimeError, ConnectionError) as exc:  # dist.DistError and its kin: the store is gone
+        diagnostics.store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecoveryError(group=st.name, rank=me, generation=gen, missing_ranks=None,
+                            reason=diagnostics.store_gone_reason()) from None
     new_rank, new_size = members.index(me), len(members)
     _groups.next_generation(st.name)
     # The agreed generation is used up, whatever happens next: if a member vanishes while the
