@@ -375,3 +375,28 @@ def store_host_dies(ctx) -> None:
         ctx.record("recovered")
     except fastdist.RecoveryError as e:
         ctx.record("recovery_error", seconds=time.monotonic() - t0, message=str(e))
+
+
+def unwaited_handler_raises(ctx) -> None:
+    """2 ranks, rank 1 away: an async op nobody waits on times out; the timeout handler, run on
+    fastdist's thread, raises; the exception reaches sys.unraisablehook (it has nowhere else to
+    go), and the handle still holds the timeout."""
+    import sys
+
+    ctx.init()
+    fastdist.barrier(timeout=20)
+    if ctx.rank == 1:
+        ctx.wait_release()
+        return
+    seen = []
+    sys.unraisablehook = lambda args: seen.append(repr(args.exc_value))
+
+    def handler(err):
+        raise ValueError(f"handler saw {type(err).__name__}")
+
+    fastdist.set_timeout_handler(handler)
+    h = fastdist.all_reduce(torch.ones(1), async_op=True, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ctx.record("unraisable", seen=seen, completed=h.is_completed(), error=type(h.exception()).__name__)

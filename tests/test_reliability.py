@@ -108,3 +108,12 @@ def test_the_store_host_dies_and_the_errors_say_so() -> None:
         assert f"store at 127.0.0.1:{port} (in rank 0) cannot be reached" in err["message"], info
         rec = r.record("recovery_error")
         assert rec["seconds"] < 1.0 and f"127.0.0.1:{port} (in rank 0)" in rec["message"], info
+
+
+def test_a_timeout_handler_that_raises_on_fastdist_s_thread_reaches_unraisablehook() -> None:
+    results = run_ranks("unwaited_handler_raises", 2, absent=(1,), timeout=60)
+    info = describe(results)
+    assert results[0].returncode == 0, info
+    rec = results[0].record("unraisable")
+    assert rec["seen"] == ["ValueError('handler saw CollectiveTimeoutError')"], info
+    assert rec["completed"] and rec["error"] == "CollectiveTimeoutError", info

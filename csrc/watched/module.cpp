@@ -74,6 +74,12 @@ PYBIND11_MODULE(_watched, m) {
   m.def("push_scope", [](double deadline) { push_scope(seconds_arg(deadline, "deadline")); });
   m.def("pop_scope", &pop_scope);
   m.def("set_next_deadline", [](double deadline) { set_next_deadline(seconds_arg(deadline, "deadline")); });
+  // Reports an exception that has nowhere to go (a timeout handler's, on fastdist's own thread)
+  // through sys.unraisablehook, as an exception in __del__ is.
+  m.def("write_unraisable", [](const py::object& exc, const py::object& where) {
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    PyErr_WriteUnraisable(where.ptr());
+  });
   m.def("abandoned_inflight", &abandoned_inflight);
   m.def("install_sigint_hook", &install_sigint_hook);
   m.def("keep_dead_backends", &keep_dead_backends);

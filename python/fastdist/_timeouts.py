@@ -203,7 +203,7 @@ def fail_after(seconds: Union[float, datetime.timedelta]) -> _Scope:
     The countdown starts when the block is entered.
     """
     kind = type(seconds)
-    if (kind is float or kind is int) and seconds > 0 and seconds == seconds:  # type: ignore[operator,comparison-overlap]
+    if (kind is float or kind is int) and seconds > 0 and seconds == seconds:  # type: ignore[operator]
         return _Relative(float(seconds))  # type: ignore[arg-type]
     return _Relative(validate_seconds(seconds, "seconds"))
 

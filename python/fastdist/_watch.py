@@ -110,7 +110,7 @@ def activate(user_timeout: Optional[float]) -> None:
         _watched.set_fault_builder(_build)
         _watched.set_main_thread(threading.main_thread().ident or 0)
         _watched.install_sigint_hook()
-        ProcessGroup._register_backend = _register_backend
+        ProcessGroup._register_backend = _register_backend  # type: ignore[method-assign,assignment]
         _track_ddp()
         _active = True
 
@@ -157,12 +157,8 @@ def _device_order(pg: Any) -> list[torch.device]:
 
 
 def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
-    try:
-        err = _build_error(ctl_id, info)
-    except BaseException as exc:  # noqa: BLE001 - the handler's SystemExit too: that is the error
-        if not info["waiter"]:
-            _unwaited_handler_failed(exc)
-        raise
+    # Whatever this raises (a waiter's timeout handler's sys.exit() among others) is the error.
+    err = _build_error(ctl_id, info)
     if info["kind"] != "refused":
         # A copy: the error itself gets a traceback when raised, and with it the frames of the
         # failed call; kept here, those would live on.
@@ -250,16 +246,20 @@ def _peer_closed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: fl
 
 def _run_handler(err: BaseException, waiter: bool) -> None:
     """The timeout handler runs where the timeout was observed: in the waiting thread (whatever it
-    raises propagates there), or here on fastdist's own thread for an op nobody waits on."""
-    run_timeout_handler(err)
+    raises propagates there, instead of the error), or here on fastdist's own thread for an op
+    nobody waits on: there a sys.exit() ends the process with its code, and anything else it
+    raises goes to sys.unraisablehook (the op's error stays the timeout)."""
+    if waiter:
+        run_timeout_handler(err)
+        return
+    try:
+        run_timeout_handler(err)
+    except SystemExit as exc:
+        from ._work import exit_process
 
-
-def _unwaited_handler_failed(exc: BaseException) -> None:
-    from ._work import exit_process
-
-    if isinstance(exc, SystemExit):
         exit_process(exc.code)
-    sys.unraisablehook(sys.UnraisableHookArgs(type(exc), exc, exc.__traceback__, "fastdist timeout handler", None))  # type: ignore[attr-defined,call-arg]
+    except BaseException as exc:  # noqa: BLE001 - reported, as an exception in __del__ is
+        _watched.write_unraisable(exc, run_timeout_handler)
 
 
 def typed_error_for(exc: BaseException, since: float) -> Optional[BaseException]:

@@ -322,6 +322,8 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
     what is left of ``deadline``."""
     groups = _watch.watched_groups() if is_default else [pg]
     root = _lineage["root"] if _lineage["root"] is not None else _groups.state_of(pg).store
+    if root is None:  # recover() refused a group without a store before agreeing
+        raise RuntimeError("no store to rebuild the group through")
     for g in groups:
         gst = _groups.state_of(g)
         for backend in _watch.backends_of(g):
@@ -344,6 +346,7 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: Any) -> Any:
     td = datetime.timedelta(seconds=seconds)
     inner = old.inner
     name = inner.name()
+    fresh: Any
     try:
         if name == "gloo":
             fresh = dist.ProcessGroupGloo(store, old.rank(), old.size(), td)
