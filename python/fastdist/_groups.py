@@ -61,7 +61,7 @@ class GroupState:
         self.is_default = self.name == "default"
         # The watched backend (fastdist._watched) when the group is watched: it numbers, bounds
         # and reports every op itself.
-        self.watched = _watched_backend(pg)
+        self.watched = watched_backend(pg)
         # The thread in a blocking fastdist call on the group, if any (see collectives).
         self.owner: Optional[int] = None
 
@@ -145,7 +145,9 @@ def name_of(pg: Any) -> str:
     return str(name or f"backend-{id(pg):x}")
 
 
-def _watched_backend(pg: Any) -> Optional[Any]:
+def watched_backend(pg: Any) -> Optional[Any]:
+    """The WatchedBackend registered in ``pg`` (fastdist._watched), or None: a group fastdist
+    does not watch."""
     if not isinstance(pg, dist.ProcessGroup):
         return None
     try:

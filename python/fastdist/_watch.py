@@ -115,18 +115,7 @@ def activate(user_timeout: Optional[float]) -> None:
         _active = True
 
 
-def backend_of(pg: Any) -> Optional[Any]:
-    """The WatchedBackend of ``pg``, or None for a group that is not watched."""
-    if not isinstance(pg, ProcessGroup):
-        return None
-    for device in _device_order(pg):
-        try:
-            b = pg._get_backend(device)
-        except RuntimeError:
-            continue
-        if isinstance(b, WatchedBackend):
-            return b
-    return None
+backend_of = _groups.watched_backend
 
 
 def backends_of(pg: Any) -> list[Any]:
