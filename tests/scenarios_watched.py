@@ -400,3 +400,18 @@ def unwaited_handler_raises(ctx) -> None:
     while not seen and time.monotonic() < deadline:
         time.sleep(0.05)
     ctx.record("unraisable", seen=seen, completed=h.is_completed(), error=type(h.exception()).__name__)
+
+
+def fork_child_exits(ctx) -> None:
+    """2 ranks: after using the group, rank 0 forks; the child exits normally (atexit hooks,
+    finalization, destructors) and must do so promptly, with code 0."""
+    ctx.init()
+    fastdist.all_reduce(torch.ones(1), timeout=20)
+    if ctx.rank == 0:
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            raise SystemExit(0)
+        _, status = os.waitpid(pid, 0)
+        ctx.record("child", seconds=time.monotonic() - t0, status=status)
+    fastdist.barrier(timeout=20)

@@ -117,3 +117,11 @@ def test_a_timeout_handler_that_raises_on_fastdist_s_thread_reaches_unraisableho
     rec = results[0].record("unraisable")
     assert rec["seen"] == ["ValueError('handler saw CollectiveTimeoutError')"], info
     assert rec["completed"] and rec["error"] == "CollectiveTimeoutError", info
+
+
+def test_a_forked_child_exits_promptly() -> None:
+    results = run_ranks("fork_child_exits", 2, timeout=60)
+    info = describe(results)
+    assert all(r.returncode == 0 for r in results), info
+    child = results[0].record("child")
+    assert child["status"] == 0 and child["seconds"] < 3.0, info
