@@ -61,6 +61,8 @@ def _torchrun(tmp_path: Path, scenario: str, nproc: int, launcher: list[str], en
 
 
 def test_static_rendezvous_a_stopped_worker_is_named_and_all_recover_in_place(tmp_path: Path) -> None:
+    """fastdist.all_reduce on the gradients, then a DDP model (torch issues the collectives): each
+    time one worker SIGSTOPs itself for 5 s mid-run."""
     port = _free_port()
     code, recs, log = _torchrun(tmp_path, "train_sigstop", 3,
                                 ["--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0"])
@@ -75,6 +77,12 @@ def test_static_rendezvous_a_stopped_worker_is_named_and_all_recover_in_place(tm
     weights = [recs[f"0-{r}"]["weights"] for r in range(3)]
     assert all(recs[f"0-{r}"]["done"] and recs[f"0-{r}"]["world_size"] == 3 for r in range(3)), info
     assert weights[0] == weights[1] == weights[2], info
+    # Then DDP, whose backward issues the collectives: the same story.
+    for r in (0, 1):
+        err = recs[f"0-{r}"]["ddp_errors"][0]
+        assert err["kind"] == "CollectiveTimeoutError" and err["missing"] == [2] and err["step"] == 2, info
+    ddp = [recs[f"0-{r}"]["ddp_weights"] for r in range(3)]
+    assert ddp[0] == ddp[1] == ddp[2], info
 
 
 def test_max_restarts_the_next_attempt_never_meets_the_last_ones_keys(tmp_path: Path) -> None:

@@ -66,10 +66,37 @@ def train(steps: int, stop_at: int | None, timeout: float) -> None:
     results["weights"] = [p.detach().flatten().tolist() for p in model.parameters()]
 
 
+def train_ddp(steps: int, stop_at: int) -> None:
+    """The same, with DDP issuing the collectives in backward, each step in fail_after(2)."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step, stopped = 0, False
+    while step < steps:
+        x = torch.full((2, 8), float(step + 1 + RANK))
+        try:
+            with fastdist.fail_after(2.0):
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                if step == stop_at and RANK == 2 and not stopped:
+                    stopped = True
+                    stop_self_for(5.0)
+                loss.backward()
+                opt.step()
+            step += 1
+        except fastdist.FastdistError as e:
+            results.setdefault("ddp_errors", []).append(
+                {"kind": type(e).__name__, "step": step, "missing": getattr(e, "missing_ranks", None)}
+            )
+            fastdist.recover(timeout=30)
+    results["ddp_weights"] = [p.detach().flatten().tolist() for p in model.parameters()]
+
+
 def train_sigstop() -> None:
     fastdist.init_process_group("gloo")
     results["world_size"] = dist.get_world_size()
     train(steps=6, stop_at=3, timeout=2.0)
+    train_ddp(steps=4, stop_at=2)
 
 
 def restart() -> None:
