@@ -27,8 +27,6 @@ Nanos seconds_arg(double seconds, const char* name) {
   return seconds_to_nanos(seconds);
 }
 
-std::exception_ptr current_python_error() { return fetch_python_error(); }
-
 // Calls fastdist._watch's builder with the fault; the exception it returns (or raises) is what
 // every waiter of the group raises.
 std::exception_ptr build_fault(std::uintptr_t ctl, const FaultInfo& info) {
@@ -46,11 +44,11 @@ std::exception_ptr build_fault(std::uintptr_t ctl, const FaultInfo& info) {
     d["waiter"] = info.waiter;
     py::object err = py_builder()(ctl, d);
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
-    return current_python_error();
+    return fetch_python_error();
   } catch (py::error_already_set& e) {
     // The builder raised (a timeout handler's sys.exit() among others): that is the error.
     e.restore();
-    return current_python_error();
+    return fetch_python_error();
   }
 }
 
@@ -84,7 +82,6 @@ PYBIND11_MODULE(_watched, m) {
   m.def("install_sigint_hook", &install_sigint_hook);
   m.def("keep_dead_backends", &keep_dead_backends);
   m.def("clear_next_deadline", &clear_next_deadline);
-  m.def("scope_deadline", [] { return nanos_to_seconds(scope_deadline()); });
 
   py::class_<WatchedBackend, c10d::Backend, c10::intrusive_ptr<WatchedBackend>>(m, "WatchedBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& name, double default_timeout,
@@ -101,23 +98,12 @@ PYBIND11_MODULE(_watched, m) {
       .def_property_readonly("inner", &WatchedBackend::inner)
       .def("swap_inner", &WatchedBackend::swap_inner, py::arg("fresh"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("ctl_id", [](const WatchedBackend& b) { return b.ctl()->id(); })
-      .def_property_readonly("group_name", [](const WatchedBackend& b) { return b.ctl()->name; })
       .def_property_readonly("polled", [](const WatchedBackend& b) { return b.ctl()->polled; })
       .def_property_readonly("seq", [](const WatchedBackend& b) { return b.ctl()->seq(); })
       .def_property_readonly("dead", [](const WatchedBackend& b) { return b.ctl()->dead(); })
       .def_property_readonly("dead_reason", [](const WatchedBackend& b) { return b.ctl()->dead_reason(); })
-      .def("mark_dead", [](const WatchedBackend& b, const std::string& reason) { return b.ctl()->mark_dead(reason); })
-      .def("prev_of", [](const WatchedBackend& b, std::uint64_t seq) { return b.ctl()->prev_of(seq); })
       .def_property(
           "default_timeout",
           [](const WatchedBackend& b) { return nanos_to_seconds(b.ctl()->default_timeout.load()); },
-          [](const WatchedBackend& b, double s) { b.ctl()->default_timeout.store(seconds_arg(s, "default_timeout")); })
-      .def("inflight", [](const WatchedBackend& b) { return b.ctl()->inflight().size(); })
-      // Fails every op in flight on the group with `error` (a fault found elsewhere: a peer's).
-      .def("fail_inflight", [](const WatchedBackend& b, py::object error) {
-        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
-        auto err = current_python_error();
-        py::gil_scoped_release nogil;
-        for (auto& w : b.ctl()->inflight()) w->fail(err);
-      });
+          [](const WatchedBackend& b, double s) { b.ctl()->default_timeout.store(seconds_arg(s, "default_timeout")); });
 }

@@ -193,11 +193,6 @@ void GroupCtl::revive() {
   }
 }
 
-std::exception_ptr GroupCtl::delivered() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return fault_state_ == 2 ? fault_error_ : nullptr;
-}
-
 std::exception_ptr GroupCtl::fault(const FaultInfo& info) {
   std::unique_lock<std::mutex> lk(mu_);
   if (!dead_) {

@@ -105,8 +105,6 @@ class GroupCtl {
   std::exception_ptr fault(const FaultInfo& info);
   // The exception to refuse a new op with on a dead group.
   std::exception_ptr refusal(const char* op);
-  // The fault's error once delivered, else null.
-  std::exception_ptr delivered();
 
   void track(const c10::intrusive_ptr<WatchedWork>& w);
   void untrack(WatchedWork* w);
@@ -158,7 +156,6 @@ class WatchedWork : public c10d::Work {
   // KeyboardInterrupt); returns false when nobody waits (the op must be ended for torch's waiter).
   bool wake_waiter();
 
-  const c10::intrusive_ptr<c10d::Work>& inner() const { return inner_; }
 
  private:
   FaultInfo info(const std::string& kind, const std::string& detail, bool waiter) const;

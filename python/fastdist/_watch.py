@@ -265,14 +265,6 @@ def typed_error_for(exc: BaseException, since: float) -> Optional[BaseException]
     return None
 
 
-def swap(pg: Any, fresh: Any) -> None:
-    """Rebuilds ``pg`` in place: its watched backend forwards to ``fresh`` from now on."""
-    backend = backend_of(pg)
-    if backend is None:
-        raise RuntimeError("the group is not watched by fastdist")
-    backend.swap_inner(fresh)
-
-
 def is_watched(pg: Any) -> bool:
     return backend_of(pg) is not None
 
