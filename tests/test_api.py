@@ -7,6 +7,7 @@ import math
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -158,6 +159,49 @@ def test_solo_group_collectives_work_with_every_kind_of_timeout() -> None:
         assert t.item() == 3.0
         h = fastdist.all_reduce(t, group=pg, async_op=True)
         assert isinstance(h, fastdist.Work) and h.wait() is True and h.is_completed() and h.exception() is None
+
+
+class _BrokenWork:
+    """A work whose completion query raises (as a failing backend's can); it never finishes."""
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented")
+
+    def is_completed(self):
+        raise RuntimeError("completion query failed")
+
+    def wait(self, timeout=None):
+        raise RuntimeError("completion query failed")
+
+
+def test_expiry_and_reaper_survive_a_completion_query_that_raises() -> None:
+    """Issue 13 item 8: an exception inside the expiry action still leaves the handle failed and
+    the group dead (exception() returns, never blocks), and the NCCL reaper thread survives one."""
+    from fastdist import _groups, _polled, _unwatched
+
+    pg = _solo_group()
+    st = _groups.state_of(pg)
+    start = fastdist.current_time()
+    h = _unwatched.UnwatchedWork("all_reduce", pg, st, 1, _BrokenWork(), start, start + 0.2)
+    time.sleep(0.5)  # past the deadline: the expiry ran (or runs now; exception() waits for it)
+    err = h.exception()
+    assert isinstance(err, GroupAbortedError) and "completion query failed" in str(err), err
+    assert fastdist.is_dead(pg)
+    with pytest.raises(GroupAbortedError):
+        h.wait()
+
+    token = fastdist._timeouts.engine().add(fastdist.current_time() + 30)
+    _polled.reaper.watch(12345, _BrokenWork(), token)
+    t0 = fastdist.current_time()
+    while token.state == fastdist._core.PENDING and fastdist.current_time() - t0 < 5:
+        pass
+    assert token.state == fastdist._core.COMPLETED  # handed to its waiter, whose wait() raises
+    ok = fastdist._timeouts.engine().add(fastdist.current_time() + 30)
+    _polled.reaper.watch(12345, type("Done", (), {"is_completed": lambda self: True})(), ok)
+    t0 = fastdist.current_time()
+    while ok.state == fastdist._core.PENDING and fastdist.current_time() - t0 < 5:
+        pass
+    assert ok.state == fastdist._core.COMPLETED and _polled.reaper._thread.is_alive()
 
 
 def test_rendezvous_timeout_states() -> None:

@@ -18,22 +18,23 @@ from . import _keys
 from ._timeouts import current_time
 from .errors import CollectiveMismatchError
 
-_enabled = os.environ.get("FASTDIST_CHECK", "") not in ("", "0")
+# Read on every op (the hot path reads the attribute, not checks_enabled()).
+active = os.environ.get("FASTDIST_CHECK", "") not in ("", "0")
 _POLL_SECONDS = 0.0005
 
 
 def set_checks(enabled: bool) -> None:
     """Turns the cross-rank collective checks on or off for this process. Every rank of a group
     must use the same setting."""
-    global _enabled
+    global active
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
-    _enabled = enabled
+    active = enabled
 
 
 def checks_enabled() -> bool:
     """Whether cross-rank collective checks are on."""
-    return _enabled
+    return active
 
 
 def verify(st: Any, op: str, seq: int, signature: str, deadline: float) -> bool:

@@ -122,6 +122,10 @@ def state_of(pg: Any) -> GroupState:
     if st is not None and st.ref() is pg:
         return st
     with _lock:
+        # Two threads may both have missed: the second one uses the state the first one made.
+        st = _states.get(id(pg))
+        if st is not None and st.ref() is pg:
+            return st
         st = GroupState(pg)
         _states[id(pg)] = st
         key = id(pg)
@@ -186,13 +190,15 @@ def check_alive(st: GroupState, op: str) -> None:
         raise GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=st.dead_reason)
 
 
-def mark_dead(pg: Any, reason: str, abandoned: Optional[Any] = None, level: int = logging.WARNING) -> None:
+def mark_dead(pg: Any, reason: str, abandoned: Optional[Any] = None, level: int = logging.WARNING,
+              replace: bool = False) -> None:
     """Records that ``pg`` is aborted. ``abandoned``: the token of its op still in flight, whose
-    end releases the group (see :func:`release_finished`)."""
+    end releases the group (see :func:`release_finished`). ``replace``: a better reason than
+    the first one recorded (logged only if it is the first)."""
     st = state_of(pg)
     with _lock:
         first = st.dead_reason is None
-        if first:
+        if first or replace:
             st.dead_reason = reason
         if abandoned is not None:
             entry = _held.setdefault(id(pg), (pg, []))

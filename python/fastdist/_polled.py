@@ -122,7 +122,17 @@ class Reaper:
         with self._lock:
             for key in list(self._queues):
                 q = self._queues[key]
-                done += _reap_ordered(q) if key[1] else _reap_each(q)
+                try:
+                    done += _reap_ordered(q) if key[1] else _reap_each(q)
+                except Exception as exc:  # noqa: BLE001 - a completion query that raised
+                    # The backend failed these works: let their waiters see it (work.wait()
+                    # raises the backend's error, made into a typed one) instead of a deadline.
+                    logger.debug("fastdist: completion query failed: %r", exc)
+                    while q:
+                        token = q.popleft()[1]
+                        if token.state == PENDING:
+                            token.complete()
+                            done += 1
                 if not q:
                     del self._queues[key]
         self.reaped += done

@@ -30,18 +30,14 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
-from . import _core, _groups, _watched, diagnostics
+from . import _core, _groups, _verdict, _watched, diagnostics
 from ._timeouts import current_time, get_default_timeout, run_timeout_handler
+from ._work import run_handler_unwaited
 from .errors import CollectiveTimeoutError, FastdistError, GroupAbortedError
 
 logger = logging.getLogger(__name__)
 
 WatchedBackend = _watched.WatchedBackend
-
-_BACKEND_TIMEOUT_MARKERS = diagnostics.BACKEND_TIMEOUT_MARKERS
-_PEER_CLOSED_MARKERS = diagnostics.PEER_CLOSED_MARKERS
-
-PEER_CLOSED_WAIT = 5.0
 
 _lock = threading.Lock()
 _active = False
@@ -176,24 +172,24 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         # runs as soon as the main thread is back in Python, a moment later (raising one here too
         # would give two).
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-    text = info["detail"] or ""
-    text = text.strip().splitlines()[0] if text.strip() else ""
-    if kind == "timeout" or any(m in text for m in _BACKEND_TIMEOUT_MARKERS):
+    text = _verdict.first_line(info["detail"] or "")
+    verdict = _verdict.classify(text)
+    if kind == "timeout" or verdict == _verdict.TIMEOUT:
         _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
         if st.polled:
             from . import _polled
 
-            _polled.abort_group(pg, st.is_default, _timeout_error(st, op, seq, start, deadline, None, last_seen,
-                                                                 "aborting the communicators hung"))
+            _polled.abort_group(pg, st.is_default, _verdict.timeout_error(
+                st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"))
         rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
         cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
         if rep is None and diagnostics.store_failure is not None:
             cause = diagnostics.store_gone_reason()
-        err: BaseException = _timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
+        err: BaseException = _verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
         _run_handler(err, info["waiter"])
         return err
-    if any(m in text for m in _PEER_CLOSED_MARKERS):
-        err = _peer_closed(pg, st, op, seq, start, deadline, last_seen, text)
+    if verdict == _verdict.PEER_CLOSED:
+        err = _verdict.peer_closed(pg, st, op, seq, start, deadline, last_seen, text)
         if isinstance(err, CollectiveTimeoutError):
             _run_handler(err, info["waiter"])
         return err
@@ -202,53 +198,11 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
 
 
-def _timeout_error(st: Any, op: str, seq: int, start: float, deadline: float, rep: Optional[diagnostics.Report],
-                   last_seen: Optional[str], cause: Optional[str]) -> CollectiveTimeoutError:
-    return CollectiveTimeoutError(
-        op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name,
-        timeout=deadline - start if math.isfinite(deadline) else math.inf, elapsed=current_time() - start,
-        missing_ranks=None if rep is None else rep.missing, desynced=None if rep is None else rep.desynced,
-        last_seen=last_seen, cause=cause,
-    )
-
-
-def _peer_closed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, last_seen: Optional[str],
-                 text: str) -> BaseException:
-    """A peer closed the group: it timed out first (then this is a timeout too, unless this rank
-    only arrived after that: a straggler), or it died."""
-    _groups.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
-    # Ranks still inside the op report when their deadline passes: wait for them until ours.
-    # (At most PEER_CLOSED_WAIT: with a group's default timeout of minutes, the live ranks that
-    # still wait for theirs would otherwise keep this one waiting as long.)
-    left = deadline - current_time() if math.isfinite(deadline) else 0.0
-    until = time.monotonic() + max(0.0, min(left, PEER_CLOSED_WAIT))
-    rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, until=until)
-    cause, why = diagnostics.peer_closed_verdict(rep, time.time() - (current_time() - start))
-    if rep is None and diagnostics.store_failure is not None:
-        why = diagnostics.store_gone_reason()
-    if cause is not None:
-        return _timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
-    reason = f"{why}; {op} #{seq} failed: {text}"
-    st.dead_reason = reason
-    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-
-
 def _run_handler(err: BaseException, waiter: bool) -> None:
-    """The timeout handler runs where the timeout was observed: in the waiting thread (whatever it
-    raises propagates there, instead of the error), or here on fastdist's own thread for an op
-    nobody waits on: there a sys.exit() ends the process with its code, and anything else it
-    raises goes to sys.unraisablehook (the op's error stays the timeout)."""
     if waiter:
-        run_timeout_handler(err)
-        return
-    try:
-        run_timeout_handler(err)
-    except SystemExit as exc:
-        from ._work import exit_process
-
-        exit_process(exc.code)
-    except BaseException as exc:  # noqa: BLE001 - reported, as an exception in __del__ is
-        _watched.write_unraisable(exc, run_timeout_handler)
+        run_timeout_handler(err)  # whatever it raises propagates in the waiting thread
+    else:
+        run_handler_unwaited(err)
 
 
 def typed_error_for(exc: BaseException, since: float) -> Optional[BaseException]:

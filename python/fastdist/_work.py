@@ -9,24 +9,28 @@ GIL-free bounded wait. (NCCL's futures complete at enqueue time: see _polled.)
 Work abandoned at its deadline is still in flight, and its done-callback is Python code that
 torch will run on a backend thread when the work finally ends. If that happened during
 interpreter finalization the process would abort, so an exit hook gives abandoned work a bounded
-time to end first (for gloo it ends by itself shortly after the deadline, see ``backend_grace``).
-fastdist's handle for ``async_op=True`` is ``collectives.Work``.
+time to end first (for gloo it ends by itself shortly after the deadline, see ``backend_options``).
+fastdist's handle for ``async_op=True`` is :class:`Work` (below); the per-call options that give
+the backend its own timeout are built by :func:`backend_options`.
 """
 
 from __future__ import annotations
 
+import abc
 import atexit
 import datetime
 import logging
+import math
 import os
 import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
-from . import _core
-from ._timeouts import current_time, engine
+from . import _core, _verdict, _watched
+from ._timeouts import current_time, engine, run_timeout_handler
+from .errors import CollectiveTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +80,9 @@ def wait_until(work: Any, deadline: float) -> tuple[bool, _core.Token, bool]:
     and whether the work has a future. For work with a future the result is not inspected; for
     work without one (gloo send/recv) torch's wait already raised any error, and calling its
     ``wait()`` again would wait for a second completion that never comes."""
-    # Every blocking collective runs this: it is watch() inlined, with as few calls as possible.
-    if not _exit_hook_registered:
-        _register_exit_hook()
-    token = (_engine or _first_engine()).add(deadline)
-    try:
-        fut = work.get_future()
-    except AttributeError:
-        fut = work  # already a Future
-    except RuntimeError:  # "Work::getFuture not implemented" (gloo send/recv)
+    token, callback = watch(work, deadline)
+    if callback is None:
         return _wait_posted(work, token, deadline)
-    callback = token.notifier()
-    fut.add_done_callback(callback)
     try:
         if token.wait() == COMPLETED:
             return True, token, True
@@ -103,7 +98,7 @@ def wait_until(work: Any, deadline: float) -> tuple[bool, _core.Token, bool]:
 def _wait_posted(work: Any, token: _core.Token, deadline: float) -> tuple[bool, _core.Token, bool]:
     finished = False
     try:
-        finished = _wait_without_future(work, deadline)
+        finished = wait_posted(work, deadline)
         return finished, token, False
     finally:
         if finished:
@@ -113,27 +108,19 @@ def _wait_posted(work: Any, token: _core.Token, deadline: float) -> tuple[bool, 
             abandon(token, None)
 
 
-_engine: Optional[_core.Engine] = None
-
-
-def _first_engine() -> _core.Engine:
-    global _engine
-    _engine = engine()
-    return _engine
-
-
-def _wait_without_future(work: Any, deadline: float) -> bool:
-    """torch's own wait, bounded and GIL-free; a timeout there leaves the op posted."""
-    left = deadline - current_time()
-    if left <= 0:
-        return bool(work.is_completed())
-    try:
-        work.wait(datetime.timedelta(seconds=min(left, 1e9)))
-        return True
-    except RuntimeError as exc:
-        if current_time() >= deadline and ("Timed out" in str(exc) or "timed out" in str(exc)):
+def wait_posted(work: Any, limit: float) -> bool:
+    """torch's own bounded, GIL-free wait on work that has no future (gloo send/recv): True once
+    it ended, False when ``limit`` came first (the op stays posted). A backend failure raises."""
+    left = limit - current_time()
+    if left > 0:
+        try:
+            work.wait(datetime.timedelta(seconds=min(left, 1e9)))
+            return True
+        except RuntimeError as exc:
+            if _verdict.classify(exc) != _verdict.TIMEOUT:
+                raise
             return False
-        raise
+    return bool(work.is_completed())
 
 
 def abandon(token: _core.Token, callback_ref: Optional[Callable[[], Any]]) -> None:
@@ -173,6 +160,19 @@ def _at_exit() -> None:
             time.sleep(0.001)
 
 
+def run_handler_unwaited(err: BaseException) -> None:
+    """Runs the timeout handler for the timeout of an op nobody waits on, on fastdist's own
+    thread: a ``sys.exit()`` in it ends the process with its code, and anything else it raises
+    goes to ``sys.unraisablehook`` (the op's error stays the timeout). In a waiting thread the
+    handler runs there instead, and what it raises propagates."""
+    try:
+        run_timeout_handler(err)
+    except SystemExit as exc:
+        exit_process(exc.code)
+    except BaseException as exc:  # noqa: BLE001 - reported, as an exception in __del__ is
+        _watched.write_unraisable(exc, run_timeout_handler)
+
+
 def exit_process(code: object) -> None:
     """Ends the process from any thread with ``sys.exit``'s meaning of ``code``. ``sys.exit``
     in a thread other than the main one would end only that thread."""
@@ -190,3 +190,99 @@ def exit_process(code: object) -> None:
         except Exception:
             pass
     os._exit(status)
+
+
+class Work(abc.ABC):
+    """fastdist's handle for an op issued with ``async_op=True``.
+
+    Its deadline was fixed when the op was issued. ``wait()`` returns True once the op is done,
+    or raises :class:`CollectiveTimeoutError` (or :class:`GroupAbortedError`) at that deadline;
+    ``wait(timeout)`` waits at most ``timeout`` more seconds and raises a plain
+    :class:`TimeoutError` if that ends first (the op is then still in flight and still watched).
+    A handle nobody waits on still times out: the group is marked dead and the timeout handler
+    runs, on fastdist's own thread (a ``sys.exit`` there ends the process with that code).
+    """
+
+    _fastdist_handle = True  # fastdist.wait() calls wait(timeout) on it
+    __slots__ = ()
+    op: str
+
+    @property
+    @abc.abstractmethod
+    def deadline(self) -> float:
+        """The op's absolute deadline on :func:`fastdist.current_time`'s clock."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: Any = None) -> bool:
+        """True once the op is done; raises its error (a timeout included)."""
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """True once the op finished, successfully or not (its deadline passing included)."""
+
+    @abc.abstractmethod
+    def exception(self) -> Optional[BaseException]:
+        """The error the op ended with (a timeout included), or None; None while in flight."""
+
+    def _gave_up(self, seq: Optional[int], waited: float) -> TimeoutError:
+        number = "" if seq is None else f" #{seq}"
+        return TimeoutError(
+            f"wait() on {self.op}{number} gave up after {waited:.3g} s; the op is still in flight "
+            f"and its deadline is in {max(0.0, self.deadline - current_time()):.3g} s"
+        )
+
+
+# Options objects are copied by the backend when an op is issued, so one object per distinct
+# (kind, backend timeout, fields) can be shared by every call. Timeouts are rounded up to 10 ms so
+# that calls with the same timeout= share one; the cache is bounded.
+_OPTIONS_STEP_MS = 10
+# About 31 years: a longer per-call timeout overflows in the backend (gloo's milliseconds).
+_BACKEND_TIMEOUT_MAX = 1e9
+_options_cache: dict[tuple[Any, ...], Any] = {}
+
+
+def backend_options(kind: type, deadline: float, now: float, fields: tuple[tuple[str, Any], ...] = ()) -> Any:
+    """A ``kind`` (e.g. ``AllgatherOptions``) with ``fields`` set, whose per-call timeout makes
+    the backend give up a little after ``deadline`` (10% of the budget, between 0.1 and 1 s: the
+    engine must see the deadline first on every rank, and a dead group's worker thread is freed
+    soon after it); for no deadline (``math.inf``), the group's own default.
+
+    The watched backend (fastdist._watched) sets the same per-call timeout itself, in C++."""
+    if deadline == math.inf or deadline - now > _BACKEND_TIMEOUT_MAX:
+        ms = -1  # beyond what the backend can represent: no backend timeout; the engine keeps the deadline
+    else:
+        budget = deadline - now
+        grace = 0.1 * budget
+        grace = 0.1 if grace < 0.1 else (1.0 if grace > 1.0 else grace)
+        ms = math.ceil((budget + grace) * (1000 / _OPTIONS_STEP_MS)) * _OPTIONS_STEP_MS
+    key: Any = (kind, ms, fields)
+    try:
+        opts = _options_cache.get(key)
+    except TypeError:  # an unhashable field (e.g. a premul-sum ReduceOp): no caching
+        key, opts = None, None
+    if opts is None:
+        opts = kind()
+        if ms >= 0:
+            opts.timeout = datetime.timedelta(milliseconds=ms)
+        for name, value in fields:
+            setattr(opts, name, value)
+        if key is not None and len(_options_cache) < 1024:
+            _options_cache[key] = opts
+    return opts
+
+
+def fail(err: BaseException, cause: Optional[BaseException] = None) -> NoReturn:
+    """Runs the timeout handler for a timeout, then raises ``err``.
+
+    No frame on the way up may keep the error in a local variable: the error's traceback refers
+    to those frames, and the cycle would keep the failed call's locals (the dead group among
+    them, with its threads and sockets) alive until the cyclic garbage collector happens to run.
+    """
+    try:
+        if isinstance(err, CollectiveTimeoutError):
+            run_timeout_handler(err)
+        if err is cause:
+            raise err
+        raise err from cause
+    finally:
+        del err, cause

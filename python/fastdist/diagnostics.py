@@ -104,11 +104,6 @@ def report(st: Any, op: str, seq: int, state: str, budget: float, until: Optiona
     return out
 
 
-# What gloo says when its own per-call timeout fires, and when a peer closed the group.
-BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
-PEER_CLOSED_MARKERS = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe")
-
-
 def peer_closed_verdict(rep: Optional[Report], started_wall: float) -> tuple[Optional[str], str]:
     """What a report says about a group a peer closed under this rank's op (started at
     ``started_wall``, a time.time()): ``(cause, "")`` when a peer timed out while this rank was in

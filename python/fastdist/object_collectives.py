@@ -15,7 +15,8 @@ import torch
 
 from . import _groups
 from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline
-from .collectives import _check_rank, all_gather, broadcast, gather, scatter
+from ._args import check_rank as _check_rank
+from .collectives import all_gather, broadcast, gather, scatter
 
 __all__ = ["all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"]
 

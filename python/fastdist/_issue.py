@@ -1,0 +1,174 @@
+"""Where fastdist's own functions issue their op: one path per kind of group.
+
+A public function (fastdist.collectives) checks its arguments, computes its deadline and hands an
+``issue(pg, options)`` closure to :func:`run`. On a watched group (every group made by or after
+``fastdist.init_process_group``) that is thin: the deadline, torch's op on the group, then the
+wait; the watched backend (fastdist._watched, chosen per group when the group was made: a future's
+completion, a polled completion query for NCCL, or a posted op with no future for gloo's
+send/recv) numbers, bounds and reports the op. Any other group goes through fastdist._unwatched.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import threading
+from typing import Any, Callable, NoReturn, Optional
+
+import torch.distributed as dist
+
+from . import _checks, _core, _groups, _unwatched, _watched
+from ._timeouts import TimeoutLike, current_time, effective_deadline
+from ._work import Work, backend_options
+from .errors import FastdistError
+
+_world = dist.distributed_c10d._world
+_monotonic = _core.monotonic
+_get_ident = threading.get_ident
+_WAIT_RAN_OUT = "Operation timed out!"
+
+
+def run(
+    op: str,
+    group: Any,
+    start: float,
+    deadline: float,
+    issue: Callable[[Any, Any], Any],
+    kind: Optional[type],
+    signature: Callable[[], str],
+    async_op: bool = False,
+    fields: tuple[tuple[str, Any], ...] = (),
+) -> Any:
+    """Issues one op through ``issue(pg, options)`` and waits for it until ``deadline`` (or
+    returns a :class:`~fastdist.Work` for ``async_op``). Returns what ``issue``'s work
+    produced, or None for a process that is not in the group. ``kind``: the op's options class
+    (its per-call timeout and ``fields`` are set here), or None when ``issue`` builds its own."""
+    # Every collective's hot path: few Python calls. Each microsecond here costs several in a
+    # collective's latency when ranks share cores.
+    pg = _world.default_pg if group is None else _groups.resolve(group)
+    if pg is None:
+        if group is None:
+            _groups.resolve(None)  # raises: the default group is not initialized
+        return None
+    st = _groups.state_of(pg)
+    if st.watched is not None:
+        return _run_watched(op, pg, st, start, deadline, issue, kind, signature, async_op, fields)
+    return _unwatched.run(op, pg, st, start, deadline, issue, kind, signature, async_op, fields)
+
+
+def _run_watched(
+    op: str,
+    pg: Any,
+    st: Any,
+    start: float,
+    deadline: float,
+    issue: Callable[[Any, Any], Any],
+    kind: Optional[type],
+    signature: Callable[[], str],
+    async_op: bool,
+    fields: tuple[tuple[str, Any], ...],
+) -> Any:
+    """A watched group's op: the deadline, torch's op on the group, then the wait. The watched
+    backend numbers the op, enforces the deadline, gives gloo its per-call timeout, and raises
+    the typed error (with the report) from the wait; see fastdist._watch."""
+    if _checks.active:
+        # Checked calls are numbered apart from the backend's ops: a call refused for a mismatch
+        # issues no op, on every rank.
+        st.seq += 1
+        if not _checks.verify(st, op, st.seq, f"{op}({signature()})", deadline):
+            deadline = min(deadline, _monotonic())  # the backend reports the timeout, with the report
+    me = _get_ident()
+    owner = st.owner
+    if owner is not None and owner != me and not async_op:
+        _concurrent_use(st, op, owner, me)
+    _watched.set_next_deadline(deadline)
+    try:
+        work = issue(pg, None if kind is None else backend_options(kind, math.inf, 0.0, fields))
+    finally:
+        _watched.clear_next_deadline()  # an issue that failed before reaching the backend
+    if async_op:
+        return WatchedHandle(op, work, deadline)
+    st.owner = me
+    try:
+        work.wait()
+    except BaseException:
+        # The error's traceback holds this frame: it must not hold the op too (see _fail).
+        work = None
+        raise
+    finally:
+        st.owner = None
+    return work
+
+
+def _concurrent_use(st: Any, op: str, owner: int, me: int) -> NoReturn:
+    # Two threads in blocking calls on one group at once interleave their ops differently on
+    # each rank: gloo then pairs the wrong ops and the results are silently wrong (or the process
+    # aborts). Collectives torch issues on its own threads (autograd, DDP, FSDP2) do not come here.
+    names = {t.ident: t.name for t in threading.enumerate()}
+    raise RuntimeError(
+        f"{op} on group {st.name!r}: thread {names.get(me, me)!r} called it while thread {names.get(owner, owner)!r} "
+        "is still in a blocking fastdist call on the same group; ops on one group must come from one thread at a "
+        "time, in the same order on every rank (use one group per thread)"
+    )
+
+
+class WatchedHandle(Work):
+    """fastdist's handle for an op issued with ``async_op=True`` on a watched group: the op's
+    deadline was fixed at issue, and the op is watched whether or not anyone waits. ``wait()``
+    returns True once the op is done, or raises :class:`CollectiveTimeoutError` (or
+    :class:`GroupAbortedError`) at that deadline; ``wait(timeout)`` waits at most ``timeout`` more
+    seconds and raises a plain :class:`TimeoutError` if that ends first (the op is still watched)."""
+
+    __slots__ = ("op", "_work", "_deadline")
+
+    def __init__(self, op: str, work: Any, deadline: float) -> None:
+        self.op = op
+        self._work = work
+        self._deadline = deadline
+
+    @property
+    def deadline(self) -> float:
+        """The op's absolute deadline on :func:`fastdist.current_time`'s clock."""
+        return self._deadline
+
+    def wait(self, timeout: TimeoutLike = None) -> bool:
+        if timeout is None:
+            return bool(self._work.wait())
+        now = current_time()
+        limit = min(self._deadline, effective_deadline(timeout, now))
+        if limit >= self._deadline:
+            return bool(self._work.wait())
+        try:
+            return bool(self._work.wait(datetime.timedelta(seconds=max(0.001, limit - now))))
+        except RuntimeError as exc:
+            # The watched work's bounded wait ran out (its own words, in watched.cpp); the op's
+            # own errors are fastdist's typed ones.
+            if isinstance(exc, FastdistError) or _WAIT_RAN_OUT not in str(exc):
+                raise
+        raise self._gave_up(None, limit - now)
+
+    def is_completed(self) -> bool:
+        """True once the op finished, successfully or not (its deadline passing included)."""
+        return bool(self._work.is_completed())
+
+    def exception(self) -> Optional[BaseException]:
+        """The error the op ended with (a timeout included), or None; None while in flight."""
+        if not self._work.is_completed():
+            return None
+        try:
+            self._work.wait()
+        except BaseException as exc:  # noqa: BLE001 - the op's own error, returned
+            return exc
+        return None
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def _source_rank(self) -> int:
+        return int(self._work._source_rank())
+
+    def __repr__(self) -> str:
+        state = "completed" if self._work.is_completed() else "pending"
+        return f"<fastdist.WatchedHandle {self.op} {state}, deadline in {self._deadline - current_time():.3f} s>"
+
+

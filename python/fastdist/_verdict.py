@@ -1,0 +1,76 @@
+"""What a failed op on a group means: the typed error a caller gets.
+
+One place for both kinds of group: watched ones (fastdist._watch builds the error once per fault,
+called from C++) and groups fastdist does not watch (fastdist._unwatched). The report itself, who
+arrived and who did not, is fastdist.diagnostics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+from . import _groups, diagnostics
+from ._timeouts import current_time
+from .errors import CollectiveTimeoutError, GroupAbortedError
+
+# How long a rank whose peer closed the group waits for the other ranks' records, at most: with a
+# group's default timeout of minutes, the live ranks that still wait for theirs would otherwise
+# keep this one waiting as long.
+PEER_CLOSED_WAIT = 5.0
+
+# What gloo says when its own per-call timeout fires, and when a peer closed the group. gloo raises
+# a plain RuntimeError for both (not one of torch's DistError classes), so only its text tells.
+_BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
+_PEER_CLOSED_MARKERS = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe")
+
+TIMEOUT = "timeout"
+PEER_CLOSED = "peer_closed"
+
+
+def classify(exc: BaseException | str) -> Optional[str]:
+    """:data:`TIMEOUT` when a backend error (or its text) is the backend's own per-call timeout,
+    :data:`PEER_CLOSED` when a peer closed the group's connections, else None."""
+    text = exc if isinstance(exc, str) else str(exc)
+    if any(m in text for m in _BACKEND_TIMEOUT_MARKERS):
+        return TIMEOUT
+    if any(m in text for m in _PEER_CLOSED_MARKERS):
+        return PEER_CLOSED
+    return None
+
+
+def first_line(exc: BaseException | str) -> str:
+    text = (exc if isinstance(exc, str) else str(exc)).strip()
+    return text.splitlines()[0] if text else (type(exc).__name__ if not isinstance(exc, str) else "")
+
+
+def timeout_error(st: Any, op: str, seq: Optional[int], start: float, deadline: float,
+                  rep: Optional[diagnostics.Report], last_seen: Optional[str],
+                  cause: Optional[str]) -> CollectiveTimeoutError:
+    """The :class:`CollectiveTimeoutError` for op ``seq`` of group ``st`` (a GroupState)."""
+    return CollectiveTimeoutError(
+        op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name,
+        timeout=deadline - start if math.isfinite(deadline) else math.inf, elapsed=current_time() - start,
+        missing_ranks=None if rep is None else rep.missing, desynced=None if rep is None else rep.desynced,
+        last_seen=last_seen, cause=cause,
+    )
+
+
+def peer_closed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, last_seen: Optional[str],
+                text: str) -> BaseException:
+    """A peer closed the group under op ``seq``: it timed out first (then this is a timeout too,
+    unless this rank only arrived after that: a straggler), or it died. Marks the group dead."""
+    _groups.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
+    # Ranks still inside the op report when their deadline passes: wait for them until ours.
+    left = deadline - current_time() if math.isfinite(deadline) else 0.0
+    until = time.monotonic() + max(0.0, min(left, PEER_CLOSED_WAIT))
+    rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, until=until)
+    cause, why = diagnostics.peer_closed_verdict(rep, time.time() - (current_time() - start))
+    if rep is None and diagnostics.store_failure is not None:
+        why = diagnostics.store_gone_reason()
+    if cause is not None:
+        return timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
+    reason = f"{why}; {op} #{seq} failed: {text}"
+    _groups.mark_dead(pg, reason, replace=True)
+    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
