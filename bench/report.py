@@ -46,6 +46,11 @@ def build(data: dict) -> tuple[str, dict]:
                   f"(added {w['added_us']:+.2f} us; goal <= 1.2 us)."]
     if f:
         lines += ["", f"fail_after enter + exit: {f['enter_exit_us']:.2f} us (goal <= 1 us)."]
+    c = b.get("test_all_reduce_call_cost_in_process", {}).get("extra_info")
+    if c:
+        lines += ["", f"fastdist.all_reduce(t, timeout=30) against dist.all_reduce(t), 1 element, on one watched group of "
+                  f"one rank, in process (the Python layer's own cost, without peer noise): {c['fastdist_us']:.2f} us against "
+                  f"{c['dist_us']:.2f} us, added {c['added_us']:+.2f} us per call (ratio {c['ratio']:.3f})."]
     x = b.get("test_checks_cost", {}).get("extra_info")
     if x:
         lines += ["", f"FASTDIST_CHECK=1 on a 1-element all_reduce: {x['unchecked_median_us']:.0f} us -> {x['checked_median_us']:.0f} us (x{x['ratio']:.1f})."]

@@ -52,3 +52,23 @@ def test_fail_after_enter_exit(benchmark) -> None:
     benchmark.extra_info["enter_exit_us"] = statistics.median(costs) * 1e6
     print(f"\nfail_after enter + exit: {statistics.median(costs) * 1e6:.2f} us")
     benchmark.pedantic(scope, rounds=ROUNDS, iterations=1 if SMOKE else 100)
+
+
+def test_all_reduce_call_cost_in_process(benchmark) -> None:
+    """fastdist.all_reduce(t, timeout=30) against dist.all_reduce(t) on the same watched group of
+    one rank: the per-call cost of fastdist's own layer, without the peer and scheduler noise
+    that make a 2-rank ratio move by a few percent from run to run."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("solo_cost.py")), str(3 if SMOKE else 40),
+                          str(20 if SMOKE else 1000)], capture_output=True, text=True, timeout=240, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    added = r["fastdist"] - r["dist"]
+    benchmark.extra_info.update({"dist_us": r["dist"], "fastdist_us": r["fastdist"], "added_us": added,
+                                 "ratio": r["fastdist"] / r["dist"]})
+    print(f"\nall_reduce, 1 rank, in process: dist {r['dist']:.2f} us, fastdist {r['fastdist']:.2f} us "
+          f"(added {added:+.2f} us, ratio {r['fastdist'] / r['dist']:.3f})")
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)

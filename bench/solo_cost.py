@@ -1,0 +1,46 @@
+"""Run by bench/test_scope_cost.py in its own process: the Python cost fastdist's own all_reduce
+adds per call, on a watched world-size-1 gloo group (the op itself is the same, and no peer or
+scheduler noise is involved). Prints one JSON line of medians in microseconds."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import fastdist
+
+
+def main() -> None:
+    rounds, inner = int(sys.argv[1]), int(sys.argv[2])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fastdist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    t = torch.ones(1)
+    calls = {
+        "dist": lambda: dist.all_reduce(t),
+        "fastdist": lambda: fastdist.all_reduce(t, timeout=30),
+        "fastdist_scope": lambda: fastdist.all_reduce(t),
+    }
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(rounds):  # interleaved, order rotated every round
+        names = list(calls)
+        names = names[i % 3:] + names[:i % 3]
+        for name in names:
+            fn = calls[name]
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.perf_counter() - t0) / inner * 1e6)
+    print(json.dumps({k: statistics.median(v) for k, v in times.items()}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
