@@ -443,7 +443,7 @@ def leak_cycles(ctx) -> None:
     import os
 
     ctx.init()
-    counts = []
+    counts, keys = [], []
     for _ in range(20):
         if ctx.rank == 0:
             try:
@@ -454,7 +454,8 @@ def leak_cycles(ctx) -> None:
         fastdist.recover(timeout=20)
         assert fastdist.barrier(timeout=20)
         counts.append((len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))))
-    ctx.record("counts", counts=counts)
+        keys.append(dist.distributed_c10d._get_default_store().num_keys())
+    ctx.record("counts", counts=counts, keys=keys)
 
 
 def bench_recovery(ctx) -> None:

@@ -26,7 +26,7 @@ def test_subgroup_dies_and_recovers_on_its_own() -> None:
         assert rec["value"] == 3.0 and rec["size"] == 2 and rec["default_still"] == 3, info
 
 
-def test_twenty_timeout_recover_cycles_leak_no_threads_or_fds() -> None:
+def test_twenty_timeout_recover_cycles_leak_no_threads_fds_or_store_keys() -> None:
     results = run_ranks("leak_cycles", 2, timeout=100)
     info = describe(results)
     for r in results:
@@ -37,6 +37,9 @@ def test_twenty_timeout_recover_cycles_leak_no_threads_or_fds() -> None:
         # ends), the counts must not grow with the number of cycles.
         assert max(threads[5:]) <= threads[4] + 1, info
         assert max(fds[5:]) <= fds[4] + 2, info
+    # Nor may the store (issue 13 item 13): every generation's keys go once all are past it.
+    keys = results[0].record("counts")["keys"]
+    assert max(keys[5:]) <= keys[4] + 2, (keys, info)
 
 
 def test_fast_path_makes_no_store_traffic_and_an_unwaited_handle_still_times_out() -> None:

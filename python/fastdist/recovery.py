@@ -300,7 +300,7 @@ def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -
 def _forget_generation(store: Any, st: Any, gen: int) -> None:
     """Deletes fastdist's keys of generation ``gen`` of the group: every member is two generations
     past it, so nothing reads them any more; without this the store would gain a dozen keys per
-    timeout and recovery. (torch's own keys of the old backends stay.)"""
+    timeout and recovery (gloo's own keys go in _forget_connections)."""
     if gen < 0:
         return
     rec = _keys.key("recover", st.name, gen)
@@ -334,11 +334,26 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
             prefix = dist.PrefixStore(_keys.key(f"gen{gen}", gst.name, backend.name()) + "/", root)
             fresh = _fresh_backend(backend, prefix, min(left, 1e6), gst)
             backend.swap_inner(fresh)
+            _forget_connections(root, gst, backend, gen - 2)
         gst.dead_reason = None
         gst.generation = gen
         gst.seq = 0
     _groups.release_finished()
     return groups
+
+
+def _forget_connections(root: Any, st: Any, backend: Any, gen: int) -> None:
+    """Deletes the addresses gloo published for generation ``gen`` of a rebuilt backend (its
+    first device's, ``DEVICE/RANK`` under the generation's prefix): every member agreed a later
+    generation, so nobody connects through them any more. (NCCL's keys are its own; they stay.)"""
+    if gen < 1 or backend.inner.name() != "gloo":
+        return
+    old = dist.PrefixStore(_keys.key(f"gen{gen}", st.name, backend.name()) + "/", root)
+    try:
+        for r in range(backend.size()):
+            old.delete_key(f"0/{r}")
+    except RuntimeError:  # a store without delete
+        pass
 
 
 def _fresh_backend(old: Any, store: Any, seconds: float, st: Any) -> Any:
