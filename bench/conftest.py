@@ -13,9 +13,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
@@ -70,11 +71,12 @@ class Pair:
 @pytest.fixture(scope="session")
 def pair() -> Iterator[Pair]:
     import torch.distributed as dist
-
     from ops import make_ops
 
     world_size = 2
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+    )
     peer = subprocess.Popen([sys.executable, str(HERE / "peer.py"), str(store.port), str(world_size)])
     try:
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=0, world_size=world_size)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+import fastdist
 import torch
 import torch.distributed as dist
-
-import fastdist
 
 
 def _checked(fn: Callable[[], None]) -> Callable[[], None]:
@@ -57,7 +56,8 @@ def make_ops(world_size: int) -> dict[str, Callable[[], None]]:
     for name, group in (("plain", plain), ("watched", watched)):
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(
-            torch.nn.Sequential(torch.nn.Linear(1024, 960), torch.nn.ReLU(), torch.nn.Linear(960, 16)), process_group=group
+            torch.nn.Sequential(torch.nn.Linear(1024, 960), torch.nn.ReLU(), torch.nn.Linear(960, 16)),
+            process_group=group,
         )
         ddp[name] = _ddp_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), x)
     return {

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ops import make_ops  # noqa: E402
+from ops import make_ops
 
 
 def main() -> None:

@@ -23,84 +23,162 @@ def build(data: dict) -> tuple[str, dict]:
     lines: list[str] = []
     plot: dict = {}
 
-    lines += ["### Fast path: 2 gloo ranks, interleaved with raw torch.distributed (goal <= 1.05)", "",
-              "| call | raw torch | fastdist | ratio of medians | added |", "|---|---|---|---|---|"]
+    lines += [
+        "### Fast path: 2 gloo ranks, interleaved with raw torch.distributed (goal <= 1.05)",
+        "",
+        "| call | raw torch | fastdist | ratio of medians | added |",
+        "|---|---|---|---|---|",
+    ]
     for op in ("barrier", "all_reduce_1", "all_reduce_1mb", "all_gather_1", "all_gather_1mb"):
         x = b.get(f"test_collective_overhead[{op}]", {}).get("extra_info")
         if x:
-            lines.append(f"| {op} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | {x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |")
+            lines.append(
+                f"| {op} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | {x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |"
+            )
             plot.setdefault("overhead", {})[op] = x["ratio_of_medians"]
-    watched = [(op, b.get(f"test_watched_group_overhead[{op}]", {}).get("extra_info")) for op in ("all_reduce_1", "all_reduce_1mb", "ddp_step")]
+    watched = [
+        (op, b.get(f"test_watched_group_overhead[{op}]", {}).get("extra_info"))
+        for op in ("all_reduce_1", "all_reduce_1mb", "ddp_step")
+    ]
     if any(x for _, x in watched):
-        lines += ["", "### Watched groups: torch's own calls on a watched group against a plain gloo group (goals: DDP <= 1.02, "
-                  "1 element <= 1.03, 1 MB <= 1.01)", "",
-                  "| call | plain gloo | watched | ratio of medians | added |", "|---|---|---|---|---|"]
-        label = {"all_reduce_1": "dist.all_reduce, 1 element", "all_reduce_1mb": "dist.all_reduce, 1 MB", "ddp_step": "DDP step, 1M params"}
+        lines += [
+            "",
+            (
+                "### Watched groups: torch's own calls on a watched group against a plain gloo group (goals: DDP <= 1.02, "
+                "1 element <= 1.03, 1 MB <= 1.01)"
+            ),
+            "",
+            "| call | plain gloo | watched | ratio of medians | added |",
+            "|---|---|---|---|---|",
+        ]
+        label = {
+            "all_reduce_1": "dist.all_reduce, 1 element",
+            "all_reduce_1mb": "dist.all_reduce, 1 MB",
+            "ddp_step": "DDP step, 1M params",
+        }
         for op, x in watched:
             if x:
-                lines.append(f"| {label[op]} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | {x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |")
+                lines.append(
+                    f"| {label[op]} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | {x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |"
+                )
     w = b.get("test_wait_on_a_completed_future", {}).get("extra_info")
     f = b.get("test_fail_after_enter_exit", {}).get("extra_info")
     if w:
-        lines += ["", f"fastdist.wait(fut, timeout=10) on a completed Future: {w['fastdist_us']:.2f} us against fut.wait() {w['raw_us']:.2f} us "
-                  f"(added {w['added_us']:+.2f} us; goal <= 1.2 us)."]
+        lines += [
+            "",
+            (
+                f"fastdist.wait(fut, timeout=10) on a completed Future: {w['fastdist_us']:.2f} us against fut.wait() {w['raw_us']:.2f} us "
+                f"(added {w['added_us']:+.2f} us; goal <= 1.2 us)."
+            ),
+        ]
     if f:
         lines += ["", f"fail_after enter + exit: {f['enter_exit_us']:.2f} us (goal <= 1 us)."]
     c = b.get("test_all_reduce_call_cost_in_process", {}).get("extra_info")
     if c:
-        lines += ["", f"fastdist.all_reduce(t, timeout=30) against dist.all_reduce(t), 1 element, on one watched group of "
-                  f"one rank, in process (the Python layer's own cost, without peer noise): {c['fastdist_us']:.2f} us against "
-                  f"{c['dist_us']:.2f} us, added {c['added_us']:+.2f} us per call (ratio {c['ratio']:.3f})."]
+        lines += [
+            "",
+            (
+                f"fastdist.all_reduce(t, timeout=30) against dist.all_reduce(t), 1 element, on one watched group of "
+                f"one rank, in process (the Python layer's own cost, without peer noise): {c['fastdist_us']:.2f} us against "
+                f"{c['dist_us']:.2f} us, added {c['added_us']:+.2f} us per call (ratio {c['ratio']:.3f})."
+            ),
+        ]
     x = b.get("test_checks_cost", {}).get("extra_info")
     if x:
-        lines += ["", f"FASTDIST_CHECK=1 on a 1-element all_reduce: {x['unchecked_median_us']:.0f} us -> {x['checked_median_us']:.0f} us (x{x['ratio']:.1f})."]
+        lines += [
+            "",
+            f"FASTDIST_CHECK=1 on a 1-element all_reduce: {x['unchecked_median_us']:.0f} us -> {x['checked_median_us']:.0f} us (x{x['ratio']:.1f}).",
+        ]
 
-    timers = [("fastdist engine", "test_fastdist_engine"), ("asyncio call_later (loop thread)", "test_asyncio_call_later_on_a_loop_thread"),
-              ("torchft context_timeout", "test_torchft_context_timeout"), ("torchft future_timeout", "test_torchft_future_timeout"),
-              ("threading.Timer", "test_threading_timer")]
+    timers = [
+        ("fastdist engine", "test_fastdist_engine"),
+        ("asyncio call_later (loop thread)", "test_asyncio_call_later_on_a_loop_thread"),
+        ("torchft context_timeout", "test_torchft_context_timeout"),
+        ("torchft future_timeout", "test_torchft_future_timeout"),
+        ("threading.Timer", "test_threading_timer"),
+    ]
     have = [(label, _median_ns(b[name])) for label, name in timers if name in b]
     if have:
         ours = dict(have).get("fastdist engine")
-        lines += ["", "### One deadline, register + cancel (goal: >= 20x cheaper than torchft)", "",
-                  "| timer | median | vs fastdist |", "|---|---|---|"]
+        lines += [
+            "",
+            "### One deadline, register + cancel (goal: >= 20x cheaper than torchft)",
+            "",
+            "| timer | median | vs fastdist |",
+            "|---|---|---|",
+        ]
         for label, ns in have:
-            lines.append(f"| {label} | {ns / 1000:.2f} us | {ns / ours:.0f}x |" if ours else f"| {label} | {ns / 1000:.2f} us | |")
+            lines.append(
+                f"| {label} | {ns / 1000:.2f} us | {ns / ours:.0f}x |"
+                if ours
+                else f"| {label} | {ns / 1000:.2f} us | |"
+            )
         plot["timers"] = have
 
     x = b.get("test_detection_latency", {}).get("extra_info")
     if x:
-        lines += ["", "### Detection: deadline -> error in the caller, 50 hangs (goal: median <= 20 ms without the report)", "",
-                  "| | median | p99 |", "|---|---|---|"]
+        lines += [
+            "",
+            "### Detection: deadline -> error in the caller, 50 hangs (goal: median <= 20 ms without the report)",
+            "",
+            "| | median | p99 |",
+            "|---|---|---|",
+        ]
         for mode in ("without_report", "with_report"):
-            lines.append(f"| {mode.replace('_', ' ')} | {x[mode]['median_ms']:.1f} ms | {x[mode]['p99_ms']:.1f} ms |")
+            lines.append(
+                f"| {mode.replace('_', ' ')} | {x[mode]['median_ms']:.1f} ms | {x[mode]['p99_ms']:.1f} ms |"
+            )
         plot["detection"] = x
 
     rec = [(b[k]["extra_info"]) for k in sorted(b) if k.startswith("test_recovery_vs_restart")]
     if rec:
-        lines += ["", "### Recovery: timeout -> working group, against a restart (goal >= 5x)", "",
-                  "| ranks | recovery | restart | speedup |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "### Recovery: timeout -> working group, against a restart (goal >= 5x)",
+            "",
+            "| ranks | recovery | restart | speedup |",
+            "|---|---|---|---|",
+        ]
         for x in sorted(rec, key=lambda r: r["world_size"]):
-            lines.append(f"| {x['world_size']} | {x['recovery_s'] * 1000:.0f} ms | {x['restart_s'] * 1000:.0f} ms | {x['speedup']:.0f}x |")
+            lines.append(
+                f"| {x['world_size']} | {x['recovery_s'] * 1000:.0f} ms | {x['restart_s'] * 1000:.0f} ms | {x['speedup']:.0f}x |"
+            )
         plot["recovery"] = rec
 
     scale = [b[k] for k in sorted(b) if k.startswith("test_register_cancel_with_pending")]
     if scale:
-        lines += ["", "### Scale (goals: flat cost, <= 256 bytes per pending deadline, 0 idle wake-ups)", "",
-                  "| pending | register + cancel | bytes per pending (RSS) |", "|---|---|---|"]
+        lines += [
+            "",
+            "### Scale (goals: flat cost, <= 256 bytes per pending deadline, 0 idle wake-ups)",
+            "",
+            "| pending | register + cancel | bytes per pending (RSS) |",
+            "|---|---|---|",
+        ]
         for s in sorted(scale, key=lambda s: s["extra_info"]["pending"]):
             n = s["extra_info"]["pending"]
-            mem = f"{s['extra_info']['bytes_per_pending']:.0f}" if n >= 100_000 else "(below page granularity)"
+            mem = (
+                f"{s['extra_info']['bytes_per_pending']:.0f}" if n >= 100_000 else "(below page granularity)"
+            )
             lines.append(f"| {n:,} | {_median_ns(s):.0f} ns | {mem} |")
     idle = b.get("test_idle_wakeups_per_second", {}).get("extra_info")
     if idle:
-        lines.append(f"\nIdle timer wake-ups: {idle['idle_wakeups_per_second']:.2f}/s with {idle['pending']} deadlines pending.")
+        lines.append(
+            f"\nIdle timer wake-ups: {idle['idle_wakeups_per_second']:.2f}/s with {idle['pending']} deadlines pending."
+        )
     reap = [b[k]["extra_info"] for k in sorted(b) if k.startswith("test_reaping_cost")]
     for x in reap:
-        lines.append(f"\nReaping on the NCCL path ({x['backend']}): {x['reap_per_op_us']:.2f} us per op at {x['inflight']:,} in flight (goal <= 1 us); "
-                     f"queried one by one (point-to-point works): {x.get('reap_each_per_op_us', float('nan')):.2f} us per op.")
+        lines.append(
+            f"\nReaping on the NCCL path ({x['backend']}): {x['reap_per_op_us']:.2f} us per op at {x['inflight']:,} in flight (goal <= 1 us); "
+            f"queried one by one (point-to-point works): {x.get('reap_each_per_op_us', float('nan')):.2f} us per op."
+        )
     machine = data.get("machine_info", {})
-    lines += ["", f"Measured on {machine.get('cpu', {}).get('brand_raw', 'this machine')} ({machine.get('cpu', {}).get('count', '?')} cores), "
-              f"Python {machine.get('python_version', '?')}; `make bench`."]
+    lines += [
+        "",
+        (
+            f"Measured on {machine.get('cpu', {}).get('brand_raw', 'this machine')} ({machine.get('cpu', {}).get('count', '?')} cores), "
+            f"Python {machine.get('python_version', '?')}; `make bench`."
+        ),
+    ]
     return "\n".join(lines) + "\n", plot
 
 

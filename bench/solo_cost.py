@@ -10,10 +10,9 @@ import statistics
 import sys
 import time
 
+import fastdist
 import torch
 import torch.distributed as dist
-
-import fastdist
 
 
 def main() -> None:
@@ -31,7 +30,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(rounds):  # interleaved, order rotated every round
         names = list(calls)
-        names = names[i % 3:] + names[:i % 3]
+        names = names[i % 3 :] + names[: i % 3]
         for name in names:
             fn = calls[name]
             t0 = time.perf_counter()

@@ -8,19 +8,22 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import SMOKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from mp import describe, run_ranks  # noqa: E402
+from mp import describe, run_ranks
 
 
 @pytest.mark.timeout(300)
 def test_detection_latency(benchmark) -> None:
-    results = run_ranks("bench_detection", 2, env={"FASTDIST_BENCH_HANGS": "3" if SMOKE else "50"}, timeout=240)
+    results = run_ranks(
+        "bench_detection", 2, env={"FASTDIST_BENCH_HANGS": "3" if SMOKE else "50"}, timeout=240
+    )
     assert all(r.returncode == 0 for r in results), describe(results)
     rec = results[0].record("detection")
     benchmark.extra_info.update({k: v for k, v in rec.items() if k not in ("event", "wall")})
     for mode in ("with_report", "without_report"):
-        print(f"\ndetection {mode}: median {rec[mode]['median_ms']:.1f} ms, p99 {rec[mode]['p99_ms']:.1f} ms past the deadline")
+        print(
+            f"\ndetection {mode}: median {rec[mode]['median_ms']:.1f} ms, p99 {rec[mode]['p99_ms']:.1f} ms past the deadline"
+        )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

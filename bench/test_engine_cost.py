@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fastdist import _core
 
 
@@ -16,5 +15,10 @@ def test_register_cancel(benchmark) -> None:
     def register_cancel() -> None:
         add(deadline).cancel()
 
-    benchmark.pedantic(register_cancel, rounds=2000 if not __import__("conftest").SMOKE else 5, iterations=100, warmup_rounds=1)
+    benchmark.pedantic(
+        register_cancel,
+        rounds=2000 if not __import__("conftest").SMOKE else 5,
+        iterations=100,
+        warmup_rounds=1,
+    )
     assert eng.stats()["pending"] == 0

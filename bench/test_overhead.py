@@ -8,7 +8,6 @@ number that matters, is in each benchmark's extra_info (and printed).
 from __future__ import annotations
 
 import pytest
-
 from conftest import SMOKE
 
 ROUNDS = 20 if SMOKE else 3000
@@ -16,13 +15,17 @@ ROUNDS = 20 if SMOKE else 3000
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.parametrize("op", ["barrier", "all_gather_1", "all_gather_1mb", "all_reduce_1", "all_reduce_1mb"])
+@pytest.mark.parametrize(
+    "op", ["barrier", "all_gather_1", "all_gather_1mb", "all_reduce_1", "all_reduce_1mb"]
+)
 def test_collective_overhead(benchmark, pair, op: str) -> None:
     rounds = ROUNDS if not op.endswith("1mb") else max(10, ROUNDS // 3)
     result = pair.interleaved(f"raw_{op}", f"fd_{op}", rounds)
     benchmark.extra_info.update(result)
-    print(f"\n{op}: raw {result['raw_median_us']:.1f} us, fastdist {result['fastdist_median_us']:.1f} us, "
-          f"ratio {result['ratio_of_medians']:.3f}, added {result['added_us']:+.1f} us")
+    print(
+        f"\n{op}: raw {result['raw_median_us']:.1f} us, fastdist {result['fastdist_median_us']:.1f} us, "
+        f"ratio {result['ratio_of_medians']:.3f}, added {result['added_us']:+.1f} us"
+    )
     # Also give pytest-benchmark its own timing of the fastdist call (the peer was told the count).
     _pedantic(benchmark, pair, f"fd_{op}", 5 if SMOKE else 200)
 
@@ -49,8 +52,10 @@ def test_watched_group_overhead(benchmark, pair, op: str) -> None:
     rounds = ROUNDS if op == "all_reduce_1" else max(10, ROUNDS // 6)
     result = pair.interleaved(f"raw_{op}", f"w_{op}", rounds)
     benchmark.extra_info.update(result)
-    print(f"\nwatched {op}: plain {result['raw_median_us']:.1f} us, watched {result['fastdist_median_us']:.1f} us, "
-          f"ratio {result['ratio_of_medians']:.3f}, added {result['added_us']:+.1f} us")
+    print(
+        f"\nwatched {op}: plain {result['raw_median_us']:.1f} us, watched {result['fastdist_median_us']:.1f} us, "
+        f"ratio {result['ratio_of_medians']:.3f}, added {result['added_us']:+.1f} us"
+    )
     _pedantic(benchmark, pair, f"w_{op}", 5 if SMOKE else 100)
 
 
@@ -58,8 +63,15 @@ def test_checks_cost(benchmark, pair) -> None:
     """What FASTDIST_CHECK=1 adds to a 1-element all_reduce (store round trips per call)."""
     rounds = max(10, ROUNDS // 10)
     result = pair.interleaved("fd_all_reduce_1", "fd_all_reduce_1_checked", rounds)
-    benchmark.extra_info.update({"unchecked_median_us": result["raw_median_us"], "checked_median_us": result["fastdist_median_us"],
-                                 "ratio": result["ratio_of_medians"]})
-    print(f"\nchecks: all_reduce unchecked {result['raw_median_us']:.1f} us, checked {result['fastdist_median_us']:.1f} us "
-          f"(x{result['ratio_of_medians']:.2f})")
+    benchmark.extra_info.update(
+        {
+            "unchecked_median_us": result["raw_median_us"],
+            "checked_median_us": result["fastdist_median_us"],
+            "ratio": result["ratio_of_medians"],
+        }
+    )
+    print(
+        f"\nchecks: all_reduce unchecked {result['raw_median_us']:.1f} us, checked {result['fastdist_median_us']:.1f} us "
+        f"(x{result['ratio_of_medians']:.2f})"
+    )
     _pedantic(benchmark, pair, "fd_all_reduce_1_checked", 5 if SMOKE else 100)

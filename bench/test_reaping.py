@@ -8,25 +8,32 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import SMOKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from mp import describe, run_ranks  # noqa: E402
+from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("backend", ["fake", pytest.param("nccl", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "fake",
+        pytest.param("nccl", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
+    ],
+)
 def test_reaping_cost(benchmark, backend: str) -> None:
     env = {"FASTDIST_BENCH_BACKEND": backend, "FASTDIST_BENCH_INFLIGHT": "200" if SMOKE else "10000"}
     results = run_ranks("bench_reaping", 1, env=env, timeout=240)
     assert results[0].returncode == 0, describe(results)
     rec = results[0].record("reaping")
     benchmark.extra_info.update(rec)
-    print(f"\nreaping on {backend}: {rec['reap_per_op_us']:.3f} us/op at {rec['inflight']} in flight "
-          f"(collectives; queried one by one, as for p2p: {rec['reap_each_per_op_us']:.3f}); "
-          f"issue {rec['issue_per_op_us']:.1f} us/op")
+    print(
+        f"\nreaping on {backend}: {rec['reap_per_op_us']:.3f} us/op at {rec['inflight']} in flight "
+        f"(collectives; queried one by one, as for p2p: {rec['reap_each_per_op_us']:.3f}); "
+        f"issue {rec['issue_per_op_us']:.1f} us/op"
+    )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
@@ -37,8 +44,12 @@ def test_gpu_all_reduce_overhead(benchmark) -> None:
     rec = results[0].record("gpu_bench")
     benchmark.extra_info.update(rec)
     for k in ("1", "1mb"):
-        print(f"\nNCCL all_reduce {k}: raw+sync {rec[k]['raw_sync_us']:.1f} us, fastdist {rec[k]['fastdist_us']:.1f} us, "
-              f"ratio {rec[k]['ratio']:.3f}")
+        print(
+            f"\nNCCL all_reduce {k}: raw+sync {rec[k]['raw_sync_us']:.1f} us, fastdist {rec[k]['fastdist_us']:.1f} us, "
+            f"ratio {rec[k]['ratio']:.3f}"
+        )
     a = rec["async_issue"]
-    print(f"\nNCCL async all_reduce, issue cost: raw {a['raw_us']:.1f} us, fastdist {a['fastdist_us']:.1f} us, ratio {a['ratio']:.3f}")
+    print(
+        f"\nNCCL async all_reduce, issue cost: raw {a['raw_us']:.1f} us, fastdist {a['fastdist_us']:.1f} us, ratio {a['ratio']:.3f}"
+    )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import SMOKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from mp import describe, run_ranks  # noqa: E402
+from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +34,16 @@ def test_recovery_vs_restart(benchmark, world_size: int) -> None:
         per_cycle.append(max(c[i]["recovered_at"] for c in cycles_by_rank) - timed_out)
     restart = max(r.record("started")["seconds_since_spawn"] for r in results)
     recovery = statistics.median(per_cycle)
-    benchmark.extra_info.update({"recovery_s": recovery, "restart_s": restart, "speedup": restart / recovery, "world_size": world_size})
-    print(f"\n{world_size} ranks: recovery {recovery * 1000:.0f} ms (median of {cycles}), restart {restart * 1000:.0f} ms, "
-          f"{restart / recovery:.1f}x")
+    benchmark.extra_info.update(
+        {
+            "recovery_s": recovery,
+            "restart_s": restart,
+            "speedup": restart / recovery,
+            "world_size": world_size,
+        }
+    )
+    print(
+        f"\n{world_size} ranks: recovery {recovery * 1000:.0f} ms (median of {cycles}), restart {restart * 1000:.0f} ms, "
+        f"{restart / recovery:.1f}x"
+    )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

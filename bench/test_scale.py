@@ -8,7 +8,6 @@ import gc
 import time
 
 import pytest
-
 from conftest import SMOKE
 from fastdist import _core
 
@@ -32,7 +31,9 @@ def test_register_cancel_with_pending(benchmark, pending: int) -> None:
     per_token = (_rss() - before) / n
     deadline = base + 0.5e-6 * n  # lands in the middle of the heap
     add = eng.add
-    benchmark.pedantic(lambda: add(deadline).cancel(), rounds=5 if SMOKE else 2000, iterations=1 if SMOKE else 50)
+    benchmark.pedantic(
+        lambda: add(deadline).cancel(), rounds=5 if SMOKE else 2000, iterations=1 if SMOKE else 50
+    )
     benchmark.extra_info.update({"pending": n, "bytes_per_pending": per_token})
     print(f"\n{n} pending: {per_token:.0f} bytes each (RSS, Python handle included)")
     assert eng.stats()["pending"] == n

@@ -7,10 +7,9 @@ from __future__ import annotations
 import statistics
 import time
 
+import fastdist
 import pytest
 import torch
-
-import fastdist
 from conftest import SMOKE
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,16 +29,23 @@ def test_wait_on_a_completed_future(benchmark) -> None:
     fut.set_result(1)
     raw, fd = [], []
     for i in range(ROUNDS):  # interleaved, order flipped every round
-        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
             if which == 0:
                 raw.append(_per_call(fut.wait))
             else:
                 fd.append(_per_call(lambda: fastdist.wait(fut, timeout=10)))
     added = (statistics.median(fd) - statistics.median(raw)) * 1e6
-    benchmark.extra_info.update({"raw_us": statistics.median(raw) * 1e6, "fastdist_us": statistics.median(fd) * 1e6,
-                                 "added_us": added})
-    print(f"\nfastdist.wait on a completed Future: raw {statistics.median(raw) * 1e6:.2f} us, "
-          f"fastdist {statistics.median(fd) * 1e6:.2f} us, added {added:+.2f} us")
+    benchmark.extra_info.update(
+        {
+            "raw_us": statistics.median(raw) * 1e6,
+            "fastdist_us": statistics.median(fd) * 1e6,
+            "added_us": added,
+        }
+    )
+    print(
+        f"\nfastdist.wait on a completed Future: raw {statistics.median(raw) * 1e6:.2f} us, "
+        f"fastdist {statistics.median(fd) * 1e6:.2f} us, added {added:+.2f} us"
+    )
     benchmark.pedantic(lambda: fastdist.wait(fut, timeout=10), rounds=ROUNDS, iterations=1 if SMOKE else 100)
 
 
@@ -63,12 +69,30 @@ def test_all_reduce_call_cost_in_process(benchmark) -> None:
     import sys
     from pathlib import Path
 
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("solo_cost.py")), str(3 if SMOKE else 40),
-                          str(20 if SMOKE else 1000)], capture_output=True, text=True, timeout=240, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("solo_cost.py")),
+            str(3 if SMOKE else 40),
+            str(20 if SMOKE else 1000),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
     r = json.loads(out.stdout.strip().splitlines()[-1])
     added = r["fastdist"] - r["dist"]
-    benchmark.extra_info.update({"dist_us": r["dist"], "fastdist_us": r["fastdist"], "added_us": added,
-                                 "ratio": r["fastdist"] / r["dist"]})
-    print(f"\nall_reduce, 1 rank, in process: dist {r['dist']:.2f} us, fastdist {r['fastdist']:.2f} us "
-          f"(added {added:+.2f} us, ratio {r['fastdist'] / r['dist']:.3f})")
+    benchmark.extra_info.update(
+        {
+            "dist_us": r["dist"],
+            "fastdist_us": r["fastdist"],
+            "added_us": added,
+            "ratio": r["fastdist"] / r["dist"],
+        }
+    )
+    print(
+        f"\nall_reduce, 1 rank, in process: dist {r['dist']:.2f} us, fastdist {r['fastdist']:.2f} us "
+        f"(added {added:+.2f} us, ratio {r['fastdist'] / r['dist']:.3f})"
+    )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

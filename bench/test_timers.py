@@ -10,7 +10,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-
 from conftest import SMOKE
 from fastdist import _core
 
@@ -20,7 +19,9 @@ ROUNDS = 5 if SMOKE else 2000
 
 def _run(benchmark, fn, iterations: int = 20) -> None:
     benchmark.group = "timer register + cancel"
-    benchmark.pedantic(fn, rounds=ROUNDS, iterations=1 if SMOKE else iterations, warmup_rounds=0 if SMOKE else 10)
+    benchmark.pedantic(
+        fn, rounds=ROUNDS, iterations=1 if SMOKE else iterations, warmup_rounds=0 if SMOKE else 10
+    )
 
 
 def test_fastdist_engine(benchmark) -> None:

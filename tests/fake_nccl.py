@@ -27,7 +27,7 @@ aborted_groups = []
 
 
 class FakeWork(dist.Work):
-    def __init__(self, pg: "FakeNcclBackend", result, key: str | None = None) -> None:
+    def __init__(self, pg: FakeNcclBackend, result, key: str | None = None) -> None:
         super().__init__()
         self._pg = pg
         self._key = key  # the store counter of ranks that issued this op (several ranks)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RELEASE_KEY = "fastdist_test/release"
@@ -31,17 +31,19 @@ RECORD_PREFIX = "@@fastdist@@ "
 @dataclass
 class RankResult:
     rank: int
-    returncode: Optional[int]
+    returncode: int | None
     stdout: str
     stderr: str
-    exited_at: Optional[float]  # time.time() when the harness saw the process end
+    exited_at: float | None  # time.time() when the harness saw the process end
     records: list[dict[str, Any]] = field(default_factory=list)
 
     def record(self, event: str) -> dict[str, Any]:
         for r in self.records:
             if r.get("event") == event:
                 return r
-        raise AssertionError(f"rank {self.rank} recorded no {event!r}; records={self.records}\nstderr:\n{self.stderr[-3000:]}")
+        raise AssertionError(
+            f"rank {self.rank} recorded no {event!r}; records={self.records}\nstderr:\n{self.stderr[-3000:]}"
+        )
 
     def has(self, event: str) -> bool:
         return any(r.get("event") == event for r in self.records)
@@ -54,11 +56,13 @@ def run_ranks(
     absent: tuple[int, ...] = (),
     stuck: tuple[int, ...] = (),
     timeout: float = 60.0,
-    env: Optional[dict[str, str]] = None,
+    env: dict[str, str] | None = None,
 ) -> list[RankResult]:
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store = TCPStore(
+        "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
     child_env = dict(os.environ)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     child_env.update(env or {})
@@ -72,7 +76,14 @@ def run_ranks(
             out = tempfile.TemporaryFile()
             err = tempfile.TemporaryFile()
             outs.append((out, err))
-            cmd = [sys.executable, str(HERE / "rank_main.py"), scenario, str(rank), str(world_size), str(store.port)]
+            cmd = [
+                sys.executable,
+                str(HERE / "rank_main.py"),
+                scenario,
+                str(rank),
+                str(world_size),
+                str(store.port),
+            ]
             child_env["FASTDIST_SPAWNED_AT"] = repr(time.time())
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=child_env, cwd=str(HERE.parent)))
         hard_deadline = time.monotonic() + timeout
@@ -105,10 +116,16 @@ def run_ranks(
         stderr = err.read().decode(errors="replace")
         out.close()
         err.close()
-        records = [json.loads(line[len(RECORD_PREFIX):]) for line in stdout.splitlines() if line.startswith(RECORD_PREFIX)]
+        records = [
+            json.loads(line[len(RECORD_PREFIX) :])
+            for line in stdout.splitlines()
+            if line.startswith(RECORD_PREFIX)
+        ]
         results.append(RankResult(rank, p.returncode, stdout, stderr, exited_at.get(rank), records))
     if overran:
-        raise AssertionError(f"scenario {scenario!r} did not finish within {timeout} s; exited: {sorted(exited_at)}\n{describe(results)}")
+        raise AssertionError(
+            f"scenario {scenario!r} did not finish within {timeout} s; exited: {sorted(exited_at)}\n{describe(results)}"
+        )
     return results
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mp import RECORD_PREFIX, RELEASE_KEY  # noqa: E402
+from mp import RECORD_PREFIX, RELEASE_KEY
 
 
 class Context:
@@ -30,13 +30,14 @@ class Context:
         print(RECORD_PREFIX + json.dumps(fields), flush=True)
 
     def init(self) -> None:
-        import torch.distributed as dist
-
         import fastdist
+        import torch.distributed as dist
 
         # A watched group, as fastdist.init_process_group makes it: every op on it is bounded.
         prefix = dist.PrefixStore("pg", self.store)
-        fastdist.init_process_group("gloo", store=prefix, rank=self.rank, world_size=self.world_size, timeout=60)
+        fastdist.init_process_group(
+            "gloo", store=prefix, rank=self.rank, world_size=self.world_size, timeout=60
+        )
 
     def wait_release(self) -> None:
         """Plays an absent rank: stays alive, in no collective, until the harness releases it."""

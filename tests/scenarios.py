@@ -8,10 +8,9 @@ import math
 import sys
 import time
 
+import fastdist
 import torch
 import torch.distributed as dist
-
-import fastdist
 from fastdist import CollectiveTimeoutError, GroupAbortedError
 
 
@@ -49,8 +48,14 @@ def timeout_one_absent(ctx) -> None:
         ctx.record(
             "timeout",
             elapsed=time.monotonic() - start,
-            op=e.op, rank=e.rank, world_size=e.world_size, group=e.group, timeout=e.timeout,
-            err_elapsed=e.elapsed, is_timeout_error=isinstance(e, TimeoutError), message=str(e),
+            op=e.op,
+            rank=e.rank,
+            world_size=e.world_size,
+            group=e.group,
+            timeout=e.timeout,
+            err_elapsed=e.elapsed,
+            is_timeout_error=isinstance(e, TimeoutError),
+            message=str(e),
         )
     assert fastdist.is_dead()
     start = time.monotonic()
@@ -146,7 +151,9 @@ def every_op(ctx) -> None:
     if rank == 0:
         assert [g.item() for g in gl] == [0.0, 1.0, 2.0]
     mine = torch.zeros(1)
-    fastdist.scatter(mine, [torch.tensor([float(r * 3)]) for r in range(ws)] if rank == 1 else None, src=1, timeout=T)
+    fastdist.scatter(
+        mine, [torch.tensor([float(r * 3)]) for r in range(ws)] if rank == 1 else None, src=1, timeout=T
+    )
     assert mine.item() == rank * 3
     o = torch.zeros(ws)
     fastdist.all_to_all_single(o, torch.tensor([float(rank * 10 + r) for r in range(ws)]), timeout=T)
@@ -162,7 +169,10 @@ def every_op(ctx) -> None:
         fastdist.send(torch.tensor([float(rank)]), nxt, timeout=T)
     assert got.item() == prv and src == prv
     got2 = torch.zeros(1)
-    hs = fastdist.batch_isend_irecv([dist.P2POp(dist.isend, torch.tensor([float(rank)]), nxt), dist.P2POp(dist.irecv, got2, prv)], timeout=T)
+    hs = fastdist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, torch.tensor([float(rank)]), nxt), dist.P2POp(dist.irecv, got2, prv)],
+        timeout=T,
+    )
     assert all(h.wait() for h in hs) and got2.item() == prv
     h1 = fastdist.isend(torch.tensor([5.0 + rank]), nxt, timeout=T)
     got3 = torch.zeros(1)
@@ -186,7 +196,9 @@ def every_op(ctx) -> None:
     fastdist.broadcast_object_list(lst, src=0, timeout=T)
     assert lst == [{"a": 1}, [1, 2, 3], "hello"]
     outo = [None]
-    fastdist.scatter_object_list(outo, [f"for {r}" * (r + 1) for r in range(ws)] if rank == 0 else None, src=0, timeout=T)
+    fastdist.scatter_object_list(
+        outo, [f"for {r}" * (r + 1) for r in range(ws)] if rank == 0 else None, src=0, timeout=T
+    )
     assert outo == [f"for {rank}" * (rank + 1)]
     # a subgroup of ranks 1 and 2 (every rank calls new_group)
     sub = dist.new_group([1, 2])
@@ -201,7 +213,7 @@ def every_op(ctx) -> None:
     ctx.record("ok")
 
 
-from fastdist.faults import Fault, inject  # noqa: E402
+from fastdist.faults import Fault, inject
 
 STEP_TIMEOUT = 1.5
 
@@ -227,7 +239,10 @@ def _train(ctx, faults, steps: int, timeout: float = STEP_TIMEOUT):
 
 def _record_error(ctx, event: str, err, start: float) -> None:
     ctx.record(
-        event, kind=type(err).__name__, elapsed=time.monotonic() - start, message=str(err),
+        event,
+        kind=type(err).__name__,
+        elapsed=time.monotonic() - start,
+        message=str(err),
         missing=getattr(err, "missing_ranks", None),
         desynced={str(k): v for k, v in (getattr(err, "desynced", None) or {}).items()},
     )
@@ -242,7 +257,14 @@ def _after_recovery(ctx, new_group, event: str = "recovered") -> None:
     fastdist.all_gather_object(objs, dist.get_rank(), timeout=20)
     h = fastdist.all_reduce(torch.ones(1), async_op=True, timeout=20)
     assert h.wait() is True
-    ctx.record(event, rank=dist.get_rank(), world_size=n, sum=t.item(), objs=objs, default=new_group is dist.group.WORLD)
+    ctx.record(
+        event,
+        rank=dist.get_rank(),
+        world_size=n,
+        sum=t.item(),
+        objs=objs,
+        default=new_group is dist.group.WORLD,
+    )
 
 
 def _fault_run(ctx, faults, steps: int = 4, shrink: bool = True) -> None:
@@ -295,7 +317,7 @@ def fault_wrong_collective(ctx) -> None:
     desync report; recovery keeps all three; then, with checks on, a size mismatch is caught."""
     ctx.init()
     start = time.monotonic()
-    step, err = _train(ctx, [Fault("wrong_collective", rank=2, step=1)], 3)
+    _step, err = _train(ctx, [Fault("wrong_collective", rank=2, step=1)], 3)
     _record_error(ctx, "error", err, start)
     new = fastdist.recover(timeout=20)
     _after_recovery(ctx, new)
@@ -318,7 +340,7 @@ def fault_straggler_rejoins(ctx) -> None:
     wakes, is refused at once by the dead group, and joins the recovery."""
     ctx.init()
     start = time.monotonic()
-    step, err = _train(ctx, [Fault("hang", rank=2, step=1, seconds=STEP_TIMEOUT + 1.5)], 3)
+    _step, err = _train(ctx, [Fault("hang", rank=2, step=1, seconds=STEP_TIMEOUT + 1.5)], 3)
     _record_error(ctx, "error", err, start)
     new = fastdist.recover(timeout=20)
     _after_recovery(ctx, new)
@@ -330,7 +352,7 @@ def fault_straggler_left_out(ctx) -> None:
     ctx.init()
     start = time.monotonic()
     faults = [Fault("hang", rank=2, step=1, seconds=STEP_TIMEOUT + 3.0)]
-    step, err = _train(ctx, faults, 3)
+    _step, err = _train(ctx, faults, 3)
     _record_error(ctx, "error", err, start)
     if ctx.rank == 2:
         try:
@@ -405,7 +427,12 @@ def store_quiet_and_async_handler_exit(ctx) -> None:
         return
 
     def handler(err):
-        ctx.record("handler", thread=threading.current_thread().name, main=threading.current_thread() is threading.main_thread(), message=str(err))
+        ctx.record(
+            "handler",
+            thread=threading.current_thread().name,
+            main=threading.current_thread() is threading.main_thread(),
+            message=str(err),
+        )
         sys.exit(7)
 
     fastdist.set_timeout_handler(handler)
@@ -429,12 +456,22 @@ def subgroup_dies_alone(ctx) -> None:
             ctx.record("sub_timeout", message=str(e), missing=e.missing_ranks, group=e.group)
     t = torch.tensor([float(ctx.rank + 1)])
     fastdist.all_reduce(t, timeout=20)  # the default group is untouched
-    ctx.record("default_ok", value=t.item(), default_dead=fastdist.is_dead(), sub_dead=fastdist.is_dead(sub) if ctx.rank < 2 else None)
+    ctx.record(
+        "default_ok",
+        value=t.item(),
+        default_dead=fastdist.is_dead(),
+        sub_dead=fastdist.is_dead(sub) if ctx.rank < 2 else None,
+    )
     if ctx.rank < 2:
         new_sub = fastdist.recover(sub, timeout=20)
         t = torch.tensor([float(ctx.rank + 1)])
         fastdist.all_reduce(t, group=new_sub, timeout=20)
-        ctx.record("sub_recovered", value=t.item(), size=dist.get_world_size(new_sub), default_still=dist.get_world_size())
+        ctx.record(
+            "sub_recovered",
+            value=t.item(),
+            size=dist.get_world_size(new_sub),
+            default_still=dist.get_world_size(),
+        )
     fastdist.barrier(timeout=20)
 
 
@@ -491,7 +528,13 @@ def init_methods_then_recover(ctx) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size))
         fastdist.init_process_group("gloo", "env://", timeout=30)
     else:
-        fastdist.init_process_group("gloo", f"file://{os.environ['FASTDIST_TEST_FILE']}", rank=ctx.rank, world_size=ctx.world_size, timeout=30)
+        fastdist.init_process_group(
+            "gloo",
+            f"file://{os.environ['FASTDIST_TEST_FILE']}",
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=30,
+        )
     assert fastdist.get_rank() == ctx.rank and fastdist.get_world_size() == ctx.world_size
     fastdist.barrier(timeout=20)
     if ctx.rank == 0:
@@ -524,8 +567,13 @@ def rpc_timeouts(ctx) -> None:
 
     import fastdist.rpc as frpc
 
-    frpc.init_rpc(f"w{ctx.rank}", rank=ctx.rank, world_size=2, rpc_timeout=20,
-                  init_method=f"tcp://127.0.0.1:{os.environ['FASTDIST_RPC_PORT']}")
+    frpc.init_rpc(
+        f"w{ctx.rank}",
+        rank=ctx.rank,
+        world_size=2,
+        rpc_timeout=20,
+        init_method=f"tcp://127.0.0.1:{os.environ['FASTDIST_RPC_PORT']}",
+    )
     if ctx.rank == 0:
         seen = []
         fastdist.set_timeout_handler(seen.append)
@@ -534,8 +582,16 @@ def rpc_timeouts(ctx) -> None:
             frpc.rpc_sync("w1", rpc_sleep, args=(3.0,), timeout=1.0)
             ctx.record("no_timeout")
         except fastdist.RpcTimeoutError as e:
-            ctx.record("sync_timeout", elapsed=time.monotonic() - t0, to=e.to, func=e.func, timeout=e.timeout,
-                       is_timeout=isinstance(e, TimeoutError), handler=len(seen) == 1 and seen[0] is e, message=str(e))
+            ctx.record(
+                "sync_timeout",
+                elapsed=time.monotonic() - t0,
+                to=e.to,
+                func=e.func,
+                timeout=e.timeout,
+                is_timeout=isinstance(e, TimeoutError),
+                handler=len(seen) == 1 and seen[0] is e,
+                message=str(e),
+            )
         ctx.record("fast_after", value=frpc.rpc_sync("w1", rpc_add, args=(2, 3), timeout=5))
         t0 = time.monotonic()
         fut = frpc.rpc_async("w1", rpc_sleep, args=(2.0,), timeout=0.5)
@@ -597,7 +653,6 @@ def rpc_timeouts(ctx) -> None:
 
 def fake_nccl_logic(ctx) -> None:
     import fake_nccl
-
     from fastdist import _polled
 
     fake_nccl.register()
@@ -619,8 +674,15 @@ def fake_nccl_logic(ctx) -> None:
     elapsed = time.monotonic() - t0
     unwaited = fastdist.all_reduce(t, async_op=True, timeout=5)
     time.sleep(0.5)
-    ctx.record("async", first=first, ok=ok, elapsed=elapsed, reaped=_polled.reaper.reaped - reaped,
-               pending=_polled.reaper.pending(), unwaited_done=unwaited.is_completed() and unwaited.exception() is None)
+    ctx.record(
+        "async",
+        first=first,
+        ok=ok,
+        elapsed=elapsed,
+        reaped=_polled.reaper.reaped - reaped,
+        pending=_polled.reaper.pending(),
+        unwaited_done=unwaited.is_completed() and unwaited.exception() is None,
+    )
     # A hang: the deadline fires, the communicators are aborted, the group is dead.
     fake_nccl.DELAY = math.inf
     t0 = time.monotonic()
@@ -629,7 +691,13 @@ def fake_nccl_logic(ctx) -> None:
         ctx.record("no_timeout")
     except CollectiveTimeoutError as e:
         elapsed = time.monotonic() - t0
-        ctx.record("timeout", elapsed=elapsed, aborts_done=_polled.wait_aborts(), aborted=len(fake_nccl.aborted_groups), message=str(e))
+        ctx.record(
+            "timeout",
+            elapsed=elapsed,
+            aborts_done=_polled.wait_aborts(),
+            aborted=len(fake_nccl.aborted_groups),
+            message=str(e),
+        )
     try:
         fastdist.all_reduce(t, timeout=5)
     except GroupAbortedError:
@@ -643,8 +711,13 @@ def fake_nccl_logic(ctx) -> None:
     fake_nccl.DELAY = math.inf
     h = fastdist.all_reduce(t, async_op=True, timeout=0.3)
     time.sleep(0.8)
-    ctx.record("unwaited", completed=h.is_completed(), error=type(h.exception()).__name__, dead=fastdist.is_dead(),
-               aborted=len(fake_nccl.aborted_groups))
+    ctx.record(
+        "unwaited",
+        completed=h.is_completed(),
+        error=type(h.exception()).__name__,
+        dead=fastdist.is_dead(),
+        aborted=len(fake_nccl.aborted_groups),
+    )
     fastdist.recover(timeout=5)
     # Finally, an abort that hangs: the caller still raises at its deadline, and the abort's own
     # deadline (FASTDIST_ABORT_TIMEOUT=0.5 in this run) ends the process while recover() waits.
@@ -665,7 +738,9 @@ def fake_nccl_report(ctx) -> None:
     import fake_nccl
 
     fake_nccl.register()
-    fastdist.init_process_group(fake_nccl.NAME, store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size)
+    fastdist.init_process_group(
+        fake_nccl.NAME, store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size
+    )
     t = torch.ones(1)
     fastdist.all_reduce(t, timeout=20)  # every rank: completes once all three issued it
     fastdist.barrier(timeout=20)
@@ -707,7 +782,9 @@ def gpu_nccl_timeout_and_recover(ctx) -> None:
     import os
 
     torch.cuda.set_device(ctx.rank)
-    fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size)
+    fastdist.init_process_group(
+        "nccl", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size
+    )
     ctx.record("env", mode=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), torch=torch.__version__)
     t = torch.ones(1024, device="cuda")
     fastdist.all_reduce(t, timeout=30)
@@ -735,8 +812,16 @@ def gpu_nccl_timeout_and_recover(ctx) -> None:
         fastdist.all_reduce(t, group=new, timeout=30)
         torch.cuda.synchronize()  # the new collective also waits for the stall to end
         first_ok = time.monotonic() - t1
-        results.append({"detected": detected, "past_deadline": detected - 1.0, "recover": recovered,
-                        "first_ok_after_recover": first_ok, "value": t[0].item() / ctx.world_size, "message": message})
+        results.append(
+            {
+                "detected": detected,
+                "past_deadline": detected - 1.0,
+                "recover": recovered,
+                "first_ok_after_recover": first_ok,
+                "value": t[0].item() / ctx.world_size,
+                "message": message,
+            }
+        )
     ctx.record("timeouts", results=results)
     # An async handle and a barrier behind the same kind of stall: both honour their deadline.
     for kind in ("async_all_reduce", "barrier"):
@@ -761,7 +846,9 @@ def gpu_nccl_timeout_and_recover(ctx) -> None:
 def gpu_nccl_missing_rank(ctx) -> None:
     """Two or more GPUs: the last rank skips an all_reduce; the others report it missing."""
     torch.cuda.set_device(ctx.rank)
-    fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size)
+    fastdist.init_process_group(
+        "nccl", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size
+    )
     t = torch.ones(1024, device="cuda")
     fastdist.all_reduce(t, timeout=30)
     torch.cuda.synchronize()
@@ -823,9 +910,15 @@ def bench_reaping(ctx) -> None:
     issued = time.perf_counter() - t0
     for h in handles:
         h.wait()
-    ctx.record("reaping", backend=backend, inflight=n, reap_per_op_us=statistics.median(per_op[True]) * 1e6,
-               reap_each_per_op_us=statistics.median(per_op[False]) * 1e6,
-               issue_per_op_us=issued / n * 1e6, total_s=time.perf_counter() - t0)
+    ctx.record(
+        "reaping",
+        backend=backend,
+        inflight=n,
+        reap_per_op_us=statistics.median(per_op[True]) * 1e6,
+        reap_each_per_op_us=statistics.median(per_op[False]) * 1e6,
+        issue_per_op_us=issued / n * 1e6,
+        total_s=time.perf_counter() - t0,
+    )
 
 
 def gpu_bench(ctx) -> None:
@@ -840,7 +933,7 @@ def gpu_bench(ctx) -> None:
         t = torch.ones(numel, device="cuda")
         raw, fd = [], []
         for i in range(600):
-            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            for which in (0, 1) if i % 2 == 0 else (1, 0):
                 t0 = time.perf_counter()
                 if which == 0:
                     dist.all_reduce(t)
@@ -884,12 +977,22 @@ def rdzv_init(ctx) -> None:
     t0 = time.monotonic()
     try:
         fastdist.init_process_group(
-            "gloo", f"tcp://127.0.0.1:{os.environ['FASTDIST_RDZV_PORT']}", rank=ctx.rank, world_size=ctx.world_size,
-            connect_timeout=10, rendezvous_timeout=fastdist.RendezvousTimeout(1.5),
+            "gloo",
+            f"tcp://127.0.0.1:{os.environ['FASTDIST_RDZV_PORT']}",
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            connect_timeout=10,
+            rendezvous_timeout=fastdist.RendezvousTimeout(1.5),
         )
         ctx.record("no_error")
     except fastdist.RendezvousTimeoutError as e:
-        ctx.record("rdzv_timeout", elapsed=time.monotonic() - t0, missing=e.missing_ranks, joined=e.joined, message=str(e))
+        ctx.record(
+            "rdzv_timeout",
+            elapsed=time.monotonic() - t0,
+            missing=e.missing_ranks,
+            joined=e.joined,
+            message=str(e),
+        )
 
 
 def bench_detection(ctx) -> None:
@@ -919,5 +1022,9 @@ def bench_detection(ctx) -> None:
             sub = fastdist.recover(sub, timeout=30)
         if late:
             late.sort()
-            out[mode] = {"median_ms": statistics.median(late) * 1e3, "p99_ms": late[min(len(late) - 1, int(0.99 * len(late)))] * 1e3, "n": len(late)}
+            out[mode] = {
+                "median_ms": statistics.median(late) * 1e3,
+                "p99_ms": late[min(len(late) - 1, int(0.99 * len(late)))] * 1e3,
+                "n": len(late),
+            }
     ctx.record("detection", **out)

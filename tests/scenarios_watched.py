@@ -10,11 +10,10 @@ import threading
 import time
 from datetime import timedelta
 
+import fastdist
 import torch
 import torch.distributed as dist
 from torch import nn
-
-import fastdist
 
 STEP = 2.0  # each training step's fail_after
 
@@ -44,12 +43,20 @@ def _train(ctx, model, steps: int, stop_at: int) -> None:
                 opt.step()
             step += 1
         except fastdist.FastdistError as e:
-            ctx.record("error", kind=type(e).__name__, step=step, seconds=time.monotonic() - t0,
-                       missing=getattr(e, "missing_ranks", None), message=str(e))
+            ctx.record(
+                "error",
+                kind=type(e).__name__,
+                step=step,
+                seconds=time.monotonic() - t0,
+                missing=getattr(e, "missing_ranks", None),
+                message=str(e),
+            )
             t1 = time.monotonic()
             pg = dist.group.WORLD
             same = fastdist.recover(timeout=30) is pg
-            ctx.record("recovered", seconds=time.monotonic() - t1, same_group=same, world_size=dist.get_world_size())
+            ctx.record(
+                "recovered", seconds=time.monotonic() - t1, same_group=same, world_size=dist.get_world_size()
+            )
 
 
 def watched_ddp(ctx) -> None:
@@ -97,7 +104,9 @@ def watched_dist_ops(ctx) -> None:
     dist.all_gather_into_tensor(out, torch.full((2,), float(ctx.rank)), group=sub)
     m = torch.full((1,), float(ctx.rank))
     dist.all_reduce(m, group=tp)
-    ctx.record("healthy", value=t.tolist(), gathered=out.tolist(), tp_size=dist.get_world_size(tp), tp_sum=m.item())
+    ctx.record(
+        "healthy", value=t.tolist(), gathered=out.tolist(), tp_size=dist.get_world_size(tp), tp_sum=m.item()
+    )
 
     def phase(name, call, group, waits):
         if ctx.rank == away:
@@ -108,7 +117,13 @@ def watched_dist_ops(ctx) -> None:
                 call()
                 ctx.record("no_error", phase=name)
             except fastdist.CollectiveTimeoutError as e:
-                ctx.record("timeout", phase=name, seconds=time.monotonic() - t0, missing=e.missing_ranks, message=str(e))
+                ctx.record(
+                    "timeout",
+                    phase=name,
+                    seconds=time.monotonic() - t0,
+                    missing=e.missing_ranks,
+                    message=str(e),
+                )
         back = fastdist.recover(group, timeout=30)
         ctx.record("recovered", phase=name, same=back is (group or dist.group.WORLD))
 
@@ -156,7 +171,9 @@ def watched_ctrl_c(ctx) -> None:
 
     def interrupt_in(seconds: float) -> float:
         sent = []
-        timer = threading.Timer(seconds, lambda: (sent.append(time.monotonic()), os.kill(os.getpid(), signal.SIGINT)))
+        timer = threading.Timer(
+            seconds, lambda: (sent.append(time.monotonic()), os.kill(os.getpid(), signal.SIGINT))
+        )
         timer.start()
         return sent  # type: ignore[return-value]
 
@@ -183,7 +200,9 @@ def reliability_single(ctx) -> None:
 
     from fastdist import _groups
 
-    fastdist.init_process_group("gloo", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1, timeout=60)
+    fastdist.init_process_group(
+        "gloo", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1, timeout=60
+    )
     st = _groups.state_of(dist.group.WORLD)
     huge = {}
     for value in (8e9, 1e10, 1e18, 10**30, math.inf):
@@ -212,8 +231,10 @@ def reliability_single(ctx) -> None:
     ctx.record("contiguous", errors=errors)
     before = st.watched.seq
     refused = []
-    for call in (lambda: fastdist.all_gather([torch.zeros(1)] * 3, torch.zeros(1), timeout=5),
-                 lambda: fastdist.all_reduce(torch.ones(1), op="sum", timeout=5)):
+    for call in (
+        lambda: fastdist.all_gather([torch.zeros(1)] * 3, torch.zeros(1), timeout=5),
+        lambda: fastdist.all_reduce(torch.ones(1), op="sum", timeout=5),
+    ):
         try:
             call()
         except (ValueError, TypeError) as e:
@@ -265,10 +286,27 @@ def every_op_times_out(ctx) -> None:
     CollectiveTimeoutError naming rank 1, within the timeout plus the report window and slack."""
     ctx.init()
     ops = [
-        "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-        "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "send",
-        "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "gather_object",
-        "broadcast_object_list", "scatter_object_list",
+        "all_reduce",
+        "reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "gather",
+        "scatter",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "all_gather_object",
+        "gather_object",
+        "broadcast_object_list",
+        "scatter_object_list",
     ]
     groups = {name: dist.new_group([0, 1]) for name in ops}
     fastdist.barrier(timeout=20)
@@ -286,24 +324,38 @@ def every_op_times_out(ctx) -> None:
             "reduce": lambda: fastdist.reduce(one, dst=1, group=g, timeout=T),
             "broadcast": lambda: fastdist.broadcast(one, src=1, group=g, timeout=T),
             "all_gather": lambda: fastdist.all_gather(two, one, g, timeout=T),
-            "all_gather_into_tensor": lambda: fastdist.all_gather_into_tensor(torch.zeros(4), one, g, timeout=T),
+            "all_gather_into_tensor": lambda: fastdist.all_gather_into_tensor(
+                torch.zeros(4), one, g, timeout=T
+            ),
             "reduce_scatter": lambda: fastdist.reduce_scatter(torch.zeros(2), two, group=g, timeout=T),
-            "reduce_scatter_tensor": lambda: fastdist.reduce_scatter_tensor(torch.zeros(2), torch.ones(4), group=g, timeout=T),
+            "reduce_scatter_tensor": lambda: fastdist.reduce_scatter_tensor(
+                torch.zeros(2), torch.ones(4), group=g, timeout=T
+            ),
             "gather": lambda: fastdist.gather(one, two, dst=0, group=g, timeout=T),
             "scatter": lambda: fastdist.scatter(torch.zeros(2), None, src=1, group=g, timeout=T),
             "all_to_all": lambda: fastdist.all_to_all(two, [torch.ones(2), torch.ones(2)], g, timeout=T),
-            "all_to_all_single": lambda: fastdist.all_to_all_single(torch.zeros(4), torch.ones(4), group=g, timeout=T),
+            "all_to_all_single": lambda: fastdist.all_to_all_single(
+                torch.zeros(4), torch.ones(4), group=g, timeout=T
+            ),
             "barrier": lambda: fastdist.barrier(g, timeout=T),
             "send": lambda: fastdist.send(big, dst=1, group=g, timeout=T),
             "recv": lambda: fastdist.recv(torch.zeros(2), src=1, group=g, timeout=T),
             "isend": lambda: fastdist.isend(big, dst=1, group=g, timeout=T).wait(),
             "irecv": lambda: fastdist.irecv(torch.zeros(2), src=1, group=g, timeout=T).wait(),
-            "batch_isend_irecv": lambda: [h.wait() for h in fastdist.batch_isend_irecv(
-                [dist.P2POp(dist.irecv, torch.zeros(2), 1, g)], timeout=T)],
+            "batch_isend_irecv": lambda: [
+                h.wait()
+                for h in fastdist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(2), 1, g)], timeout=T)
+            ],
             "all_gather_object": lambda: fastdist.all_gather_object([None, None], {"a": 1}, g, timeout=T),
-            "gather_object": lambda: fastdist.gather_object({"a": 1}, [None, None], dst=0, group=g, timeout=T),
-            "broadcast_object_list": lambda: fastdist.broadcast_object_list([None], src=1, group=g, timeout=T),
-            "scatter_object_list": lambda: fastdist.scatter_object_list([None], None, src=1, group=g, timeout=T),
+            "gather_object": lambda: fastdist.gather_object(
+                {"a": 1}, [None, None], dst=0, group=g, timeout=T
+            ),
+            "broadcast_object_list": lambda: fastdist.broadcast_object_list(
+                [None], src=1, group=g, timeout=T
+            ),
+            "scatter_object_list": lambda: fastdist.scatter_object_list(
+                [None], None, src=1, group=g, timeout=T
+            ),
         }[name]
 
     out = {}
@@ -313,8 +365,12 @@ def every_op_times_out(ctx) -> None:
             calls(name, groups[name])()
             out[name] = {"kind": "no error"}
         except fastdist.FastdistError as e:
-            out[name] = {"kind": type(e).__name__, "missing": getattr(e, "missing_ranks", None),
-                         "seconds": time.monotonic() - t0, "dead": fastdist.is_dead(groups[name])}
+            out[name] = {
+                "kind": type(e).__name__,
+                "missing": getattr(e, "missing_ranks", None),
+                "seconds": time.monotonic() - t0,
+                "dead": fastdist.is_dead(groups[name]),
+            }
     ctx.record("ops", results=out, timeout=T)
 
 
@@ -358,7 +414,9 @@ def store_host_dies(ctx) -> None:
     an all_reduce. Ranks 1 and 2 get a typed error saying the store (at HOST:PORT, in rank 0) is
     gone; recover() raises RecoveryError saying so at once."""
     port = int(os.environ["FASTDIST_RDZV_PORT"])  # a free port the test picked: rank 0 hosts the store
-    fastdist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=ctx.rank, world_size=ctx.world_size, timeout=30)
+    fastdist.init_process_group(
+        "gloo", f"tcp://127.0.0.1:{port}", rank=ctx.rank, world_size=ctx.world_size, timeout=30
+    )
     t = torch.ones(8 * 1024 * 1024)
     fastdist.all_reduce(torch.ones(1), timeout=20)
     if ctx.rank == 0:

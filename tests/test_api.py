@@ -9,10 +9,9 @@ import subprocess
 import sys
 import time
 
+import fastdist
 import pytest
 import torch
-
-import fastdist
 from fastdist import CollectiveTimeoutError, FastdistError, GroupAbortedError, RendezvousTimeout
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,14 +32,18 @@ pytestmark = pytest.mark.timeout(60)
         (
             True,
             TypeError,
-            "timeout must be a number of seconds, a datetime.timedelta, math.inf, a RendezvousTimeout "
-            "or an open fail_after/fail_at scope; got bool: True",
+            (
+                "timeout must be a number of seconds, a datetime.timedelta, math.inf, a RendezvousTimeout "
+                "or an open fail_after/fail_at scope; got bool: True"
+            ),
         ),
         (
             "10",
             TypeError,
-            "timeout must be a number of seconds, a datetime.timedelta, math.inf, a RendezvousTimeout "
-            "or an open fail_after/fail_at scope; got str: '10'",
+            (
+                "timeout must be a number of seconds, a datetime.timedelta, math.inf, a RendezvousTimeout "
+                "or an open fail_after/fail_at scope; got str: '10'"
+            ),
         ),
     ],
 )
@@ -61,13 +64,14 @@ def test_other_bad_arguments_name_the_argument() -> None:
         fastdist.all_gather((torch.zeros(1),), torch.zeros(1), timeout=1)
     with pytest.raises(TypeError, match=r"^tensor must be a torch.Tensor, got list$"):
         fastdist.all_gather([torch.zeros(1)], [1], timeout=1)
-    with pytest.raises(TypeError, match=r"^group must be a torch.distributed.ProcessGroup or None, got str: 'x'$"):
+    with pytest.raises(
+        TypeError, match=r"^group must be a torch.distributed.ProcessGroup or None, got str: 'x'$"
+    ):
         fastdist.barrier("x", timeout=1)
     with pytest.raises(RuntimeError, match="default process group is not initialized"):
         fastdist.barrier(timeout=1)
-    with pytest.raises(ValueError, match=r"^seconds must be positive, got 0.0$"):
-        with fastdist.fail_after(0):
-            pass
+    with pytest.raises(ValueError, match=r"^seconds must be positive, got 0.0$"), fastdist.fail_after(0):
+        pass
     with pytest.raises(ValueError, match=r"^deadline must not be NaN, got nan$"):
         with fastdist.fail_at(math.nan):
             pass
@@ -134,9 +138,8 @@ def _solo_group():
 
 def test_expired_scope_raises_at_once_and_marks_the_group_dead() -> None:
     pg = _solo_group()
-    with fastdist.fail_at(fastdist.current_time() - 1):
-        with pytest.raises(CollectiveTimeoutError) as info:
-            fastdist.barrier(pg, timeout=10)
+    with fastdist.fail_at(fastdist.current_time() - 1), pytest.raises(CollectiveTimeoutError) as info:
+        fastdist.barrier(pg, timeout=10)
     assert info.value.elapsed < 0.1 and "deadline had passed" in str(info.value)
     # This rank skipped a collective its peers would make: the group is out of step.
     assert fastdist.is_dead(pg)
@@ -158,7 +161,9 @@ def test_solo_group_collectives_work_with_every_kind_of_timeout() -> None:
         fastdist.broadcast(t, 0, pg, timeout=scope)
         assert t.item() == 3.0
         h = fastdist.all_reduce(t, group=pg, async_op=True)
-        assert isinstance(h, fastdist.Work) and h.wait() is True and h.is_completed() and h.exception() is None
+        assert (
+            isinstance(h, fastdist.Work) and h.wait() is True and h.is_completed() and h.exception() is None
+        )
 
 
 class _BrokenWork:
@@ -231,8 +236,17 @@ def test_rendezvous_timeout_states() -> None:
 
 def test_errors_build_messages_from_fields_and_round_trip_through_pickle() -> None:
     err = CollectiveTimeoutError(
-        op="all_reduce", seq=57, rank=0, world_size=4, group="default", timeout=10.0, elapsed=10.02,
-        missing_ranks=[2], desynced={3: "barrier #57"}, last_seen="all_reduce #56", cause=None,
+        op="all_reduce",
+        seq=57,
+        rank=0,
+        world_size=4,
+        group="default",
+        timeout=10.0,
+        elapsed=10.02,
+        missing_ranks=[2],
+        desynced={3: "barrier #57"},
+        last_seen="all_reduce #56",
+        cause=None,
     )
     assert str(err) == (
         "all_reduce #57 on group 'default' timed out after 10.0 s on rank 0: "
@@ -241,21 +255,48 @@ def test_errors_build_messages_from_fields_and_round_trip_through_pickle() -> No
     assert isinstance(err, TimeoutError) and isinstance(err, FastdistError)
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is CollectiveTimeoutError and str(back) == str(err)
-    assert (back.op, back.seq, back.rank, back.world_size, back.missing_ranks) == ("all_reduce", 57, 0, 4, [2])
+    assert (back.op, back.seq, back.rank, back.world_size, back.missing_ranks) == (
+        "all_reduce",
+        57,
+        0,
+        4,
+        [2],
+    )
     assert back.desynced == {3: "barrier #57"}
     two = CollectiveTimeoutError(
-        op="barrier", seq=3, rank=1, world_size=4, group="g", timeout=2.0, elapsed=2.1,
-        missing_ranks=[2, 3], desynced={}, last_seen="barrier #2", cause=None,
+        op="barrier",
+        seq=3,
+        rank=1,
+        world_size=4,
+        group="g",
+        timeout=2.0,
+        elapsed=2.1,
+        missing_ranks=[2, 3],
+        desynced={},
+        last_seen="barrier #2",
+        cause=None,
     )
-    assert str(two) == "barrier #3 on group 'g' timed out after 2 s on rank 1: ranks 2, 3 never arrived (last seen in barrier #2)"
+    assert (
+        str(two)
+        == "barrier #3 on group 'g' timed out after 2 s on rank 1: ranks 2, 3 never arrived (last seen in barrier #2)"
+    )
     for err2 in (
-        fastdist.CollectiveMismatchError(op="all_gather", seq=4, group="default", rank=0, expected="all_gather(f32[2])", differing={2: "all_gather(f32[3])"}),
+        fastdist.CollectiveMismatchError(
+            op="all_gather",
+            seq=4,
+            group="default",
+            rank=0,
+            expected="all_gather(f32[2])",
+            differing={2: "all_gather(f32[3])"},
+        ),
         fastdist.RecoveryError(group="default", rank=1, generation=2, reason="no", missing_ranks=[3]),
     ):
         back2 = pickle.loads(pickle.dumps(err2))
         assert type(back2) is type(err2) and str(back2) == str(err2)
 
-    aborted = GroupAbortedError(op="all_gather", group="default", rank=0, reason="barrier timed out on rank 0")
+    aborted = GroupAbortedError(
+        op="all_gather", group="default", rank=0, reason="barrier timed out on rank 0"
+    )
     back = pickle.loads(pickle.dumps(aborted))
     assert str(back) == str(aborted) and back.reason == "barrier timed out on rank 0"
     assert "call fastdist.recover() on every live rank" in str(back)
@@ -300,7 +341,12 @@ def test_import_starts_no_thread_and_imports_nothing_heavy() -> None:
         "print(threading.active_count(), len(os.listdir('/proc/self/task')), "
         "'numpy' in sys.modules, 'fastdist._core' in sys.modules)"
     )
-    before = subprocess.run([sys.executable, "-c", "import torch, os; print(len(os.listdir('/proc/self/task')))"], capture_output=True, text=True, check=True)
+    before = subprocess.run(
+        [sys.executable, "-c", "import torch, os; print(len(os.listdir('/proc/self/task')))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     py_threads, os_threads, _numpy, _core_loaded = after.stdout.split()
     assert py_threads == "1"
@@ -315,8 +361,23 @@ def test_every_benchmark_runs_once_in_smoke_mode() -> None:
     root = pathlib.Path(__file__).resolve().parent.parent
     env = dict(__import__("os").environ, FASTDIST_BENCH_SMOKE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "bench", "-q", "-p", "no:cacheprovider", "--benchmark-disable", "-o", "addopts="],
-        cwd=root, env=env, capture_output=True, text=True, timeout=280,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "bench",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--benchmark-disable",
+            "-o",
+            "addopts=",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -7,7 +7,6 @@ machine, within 1 s after it (the goal is ~50 ms; the slack is the scheduler's, 
 from __future__ import annotations
 
 import pytest
-
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -25,11 +24,17 @@ def test_absent_rank_times_out_everyone_who_waited(world_size: int) -> None:
         t = r.record("timeout")
         assert 1.5 <= t["elapsed"] < 2.5, info
         assert t["is_timeout_error"] and t["op"] == "barrier" and t["group"] == "default"
-        assert (t["rank"], t["world_size"], t["timeout"]) == (r.rank, world_size, pytest.approx(1.5, abs=0.05))
+        assert (t["rank"], t["world_size"], t["timeout"]) == (
+            r.rank,
+            world_size,
+            pytest.approx(1.5, abs=0.05),
+        )
         # The fourth fastdist op on the group (barrier, all_gather x2 before it) names the absent rank.
         absent = world_size - 1
-        assert t["message"].startswith(f"barrier #4 on group 'default' timed out after 1.5 s on rank {r.rank}: "
-                                       f"rank {absent} never arrived (last seen in all_gather #3)"), t["message"]
+        assert t["message"].startswith(
+            f"barrier #4 on group 'default' timed out after 1.5 s on rank {r.rank}: "
+            f"rank {absent} never arrived (last seen in all_gather #3)"
+        ), t["message"]
         aborted = r.record("aborted")
         assert aborted["elapsed"] < 0.1, info
         assert "barrier #4 timed out on rank" in aborted["message"]

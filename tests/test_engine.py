@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-
 from fastdist import _core
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,7 +29,11 @@ def test_fires_in_deadline_order_and_ties_in_registration_order(eng) -> None:
     fired: list[str] = []
     for name, deadline in [("c", 3.0), ("a", 1.0), ("b1", 2.0), ("b2", 2.0), ("b3", 2.0), ("d", 4.0)]:
         # Tokens are kept alive: a dropped token never fires.
-        setattr(test_fires_in_deadline_order_and_ties_in_registration_order, name, eng.add(deadline, lambda n=name: fired.append(n)))
+        setattr(
+            test_fires_in_deadline_order_and_ties_in_registration_order,
+            name,
+            eng.add(deadline, lambda n=name: fired.append(n)),
+        )
     eng.advance(2.5)
     assert eng.flush(5)
     assert fired == ["a", "b1", "b2", "b3"]
@@ -253,7 +256,9 @@ def test_an_action_that_raises_does_not_stop_the_engine(eng, monkeypatch) -> Non
 
 
 def _run_script(code: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_fork_leaves_a_working_engine_in_the_child() -> None:

@@ -9,7 +9,6 @@ slack for a loaded 2-core machine).
 from __future__ import annotations
 
 import pytest
-
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,15 +99,21 @@ def test_wrong_collective_gives_the_same_desync_report_everywhere_then_checks_ca
         assert err["kind"] == "CollectiveTimeoutError" and err["missing"] == [], info
         if r.rank == 2:
             assert err["desynced"] == {"0": "all_reduce #2", "1": "all_reduce #2"}, info
-            assert err["message"].startswith("barrier #2 on group 'default' timed out after 1.5 s on rank 2: "
-                                             "rank 0 is in all_reduce #2; rank 1 is in all_reduce #2"), info
+            assert err["message"].startswith(
+                "barrier #2 on group 'default' timed out after 1.5 s on rank 2: "
+                "rank 0 is in all_reduce #2; rank 1 is in all_reduce #2"
+            ), info
         else:
             assert err["desynced"] == {"2": "barrier #2"}, info
-            assert err["message"].startswith(f"all_reduce #2 on group 'default' timed out after 1.5 s on rank {r.rank}: "
-                                             "rank 2 is in barrier #2"), info
+            assert err["message"].startswith(
+                f"all_reduce #2 on group 'default' timed out after 1.5 s on rank {r.rank}: "
+                "rank 2 is in barrier #2"
+            ), info
         _check_recovered(r, info, 3, 6.0)
         mismatch = r.record("mismatch")
-        assert mismatch["differing"] == {"2": "all_gather(float32[3], [float32[2], float32[2], float32[2]])"}, info
+        assert mismatch["differing"] == {
+            "2": "all_gather(float32[3], [float32[2], float32[2], float32[2]])"
+        }, info
         assert r.record("after_mismatch")["value"] == 3.0, info
 
 
@@ -122,7 +127,9 @@ def test_straggler_is_refused_at_once_then_joins_the_recovery() -> None:
     assert straggler.returncode == 0, info
     assert straggler.record("error")["kind"] == "GroupAbortedError", info
     assert straggler.record("failing_call")["seconds"] < 0.5, info
-    assert "had timed out and aborted the group before this rank arrived" in straggler.record("error")["message"], info
+    assert (
+        "had timed out and aborted the group before this rank arrived" in straggler.record("error")["message"]
+    ), info
     for r in results:
         _check_recovered(r, info, 3, 6.0)
 
@@ -138,4 +145,7 @@ def test_straggler_left_out_by_a_shrinking_recovery_is_told_so() -> None:
     assert straggler.returncode == 0, info
     assert straggler.record("error")["kind"] == "GroupAbortedError", info
     assert straggler.record("failing_call")["seconds"] < 0.5, info
-    assert "already rebuilt the group as generation 1 without this rank" in straggler.record("left_out")["message"], info
+    assert (
+        "already rebuilt the group as generation 1 without this rank"
+        in straggler.record("left_out")["message"]
+    ), info

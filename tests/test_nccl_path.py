@@ -8,7 +8,6 @@ import collections
 import warnings
 
 import pytest
-
 from mp import describe, run_ranks
 
 
@@ -28,7 +27,9 @@ def test_nccl_path_logic_on_a_test_double() -> None:
     rec = r.record("recovered")
     assert rec["value"] == 3.0 and rec["dead"] is False, info
     un = r.record("unwaited")
-    assert un["completed"] and un["error"] == "CollectiveTimeoutError" and un["dead"] and un["aborted"] == 2, info
+    assert (
+        un["completed"] and un["error"] == "CollectiveTimeoutError" and un["dead"] and un["aborted"] == 2
+    ), info
     assert r.has("before_hanging_abort") and not r.has("survived_hanging_abort"), info
     assert 0.3 <= r.record("raised_while_aborting")["elapsed"] < 0.8, info  # not held by the abort
     assert r.returncode == 1, info
@@ -61,7 +62,9 @@ def test_nccl_error_handling_mode_is_set_or_respected(monkeypatch) -> None:
     configure_nccl_error_handling("nccl")
     assert os.environ[NCCL_ERROR_HANDLING] == "2"
     monkeypatch.setenv(NCCL_ERROR_HANDLING, "3")
-    with pytest.warns(RuntimeWarning, match="TORCH_NCCL_ASYNC_ERROR_HANDLING=3 was set explicitly and is kept"):
+    with pytest.warns(
+        RuntimeWarning, match="TORCH_NCCL_ASYNC_ERROR_HANDLING=3 was set explicitly and is kept"
+    ):
         configure_nccl_error_handling(None)
     assert os.environ[NCCL_ERROR_HANDLING] == "3"
     monkeypatch.setenv(NCCL_ERROR_HANDLING, "2")

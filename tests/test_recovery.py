@@ -5,7 +5,6 @@ nobody waits on still times out and runs the handler."""
 from __future__ import annotations
 
 import pytest
-
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,7 +63,11 @@ def test_init_process_group_methods_keep_what_recovery_needs(method: str, tmp_pa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"FASTDIST_TEST_INIT": method, "FASTDIST_TEST_FILE": str(tmp_path / "rendezvous"), "MASTER_PORT": str(port)}
+    env = {
+        "FASTDIST_TEST_INIT": method,
+        "FASTDIST_TEST_FILE": str(tmp_path / "rendezvous"),
+        "MASTER_PORT": str(port),
+    }
     results = run_ranks("init_methods_then_recover", 2, env=env)
     info = describe(results)
     for r in results:

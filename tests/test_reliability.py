@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,7 +27,9 @@ def test_huge_timeouts_non_contiguous_tensors_refused_calls_and_expired_deadline
     seq = r.record("seq")
     assert seq["refused"] == ["ValueError", "TypeError"] and seq["after"] == seq["before"], info
     expired = r.record("expired")
-    assert expired["timeout"] < 0 and "was not issued on rank 0: its deadline had passed" in expired["message"], info
+    assert (
+        expired["timeout"] < 0 and "was not issued on rank 0: its deadline had passed" in expired["message"]
+    ), info
     assert "timed out after -" not in expired["message"], info
     assert r.record("after")["ok"] is True, info
 

@@ -13,12 +13,16 @@ import threading
 import time
 from datetime import timedelta
 
-import pytest
-from torch.distributed import HashStore, TCPStore
-
 import fastdist
-from fastdist import RendezvousClosedError, RendezvousConnectionError, RendezvousTimeout, RendezvousTimeoutError
+import pytest
+from fastdist import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeout,
+    RendezvousTimeoutError,
+)
 from fastdist.rendezvous import VERSION_KEY, check_versions, connect_store, rendezvous, versions
+from torch.distributed import HashStore, TCPStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,14 +46,30 @@ def _fails(cause: str, **kwargs) -> RendezvousConnectionError:
 def test_nothing_listening_is_refused_within_the_connect_timeout(caplog) -> None:
     caplog.set_level("INFO", logger="fastdist.rendezvous")
     port = _free_port()
-    err = _fails("refused", host="127.0.0.1", port=port, is_master=False, connect_timeout=1.0, retries=None, backoff=0.1)
+    err = _fails(
+        "refused",
+        host="127.0.0.1",
+        port=port,
+        is_master=False,
+        connect_timeout=1.0,
+        retries=None,
+        backoff=0.1,
+    )
     assert err.took < 1.1 and err.attempts >= 3 and err.port == port
     assert "nothing is listening there: is rank 0 running" in str(err).lower()
     assert sum("attempt" in r.getMessage() for r in caplog.records) == err.attempts  # each attempt logged
 
 
 def test_retries_bound_the_attempts() -> None:
-    err = _fails("refused", host="127.0.0.1", port=_free_port(), is_master=False, connect_timeout=10, retries=2, backoff=0.05)
+    err = _fails(
+        "refused",
+        host="127.0.0.1",
+        port=_free_port(),
+        is_master=False,
+        connect_timeout=10,
+        retries=2,
+        backoff=0.05,
+    )
     assert err.attempts == 3 and err.took < 2.0
 
 
@@ -65,7 +85,9 @@ def test_port_in_use_names_the_process_holding_it() -> None:
 
 
 def test_unresolvable_host_is_named_within_a_second() -> None:
-    err = _fails("unresolvable_address", host="no-such-host.invalid", port=29500, is_master=False, connect_timeout=30)
+    err = _fails(
+        "unresolvable_address", host="no-such-host.invalid", port=29500, is_master=False, connect_timeout=30
+    )
     assert err.took < 1.2 and "check MASTER_ADDR" in str(err)
 
 
@@ -77,7 +99,15 @@ def test_no_answer_is_unreachable() -> None:
         port = server.getsockname()[1]
         filler = socket.create_connection(("127.0.0.1", port))
         try:
-            err = _fails("unreachable", host="127.0.0.1", port=port, is_master=False, connect_timeout=1.0, retries=None, backoff=0.1)
+            err = _fails(
+                "unreachable",
+                host="127.0.0.1",
+                port=port,
+                is_master=False,
+                connect_timeout=1.0,
+                retries=None,
+                backoff=0.1,
+            )
         finally:
             filler.close()
     assert err.took < 1.1 and "firewall" in str(err)
@@ -86,11 +116,18 @@ def test_no_answer_is_unreachable() -> None:
 def test_master_starting_late_is_waited_for() -> None:
     port = _free_port()
     holder = []
-    starter = threading.Timer(2.0, lambda: holder.append(TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)))
+    starter = threading.Timer(
+        2.0,
+        lambda: holder.append(
+            TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+        ),
+    )
     starter.start()
     t0 = time.monotonic()
     try:
-        store = connect_store("127.0.0.1", port, is_master=False, world_size=2, connect_timeout=10, retries=None, backoff=0.2)
+        store = connect_store(
+            "127.0.0.1", port, is_master=False, world_size=2, connect_timeout=10, retries=None, backoff=0.2
+        )
         took = time.monotonic() - t0
         store.set("x", "1")
         assert holder[0].get("x") == b"1"
@@ -105,7 +142,9 @@ def test_version_and_world_size_mismatches_are_named() -> None:
     with pytest.raises(RendezvousConnectionError) as info:
         check_versions(store, 1, 2, "127.0.0.1", 1234, timeout=5)
     assert info.value.cause == "version_mismatch"
-    assert "rank 0 runs torch 0.0.1, rank 1 runs" in str(info.value) and "same torch and fastdist everywhere" in str(info.value)
+    assert "rank 0 runs torch 0.0.1, rank 1 runs" in str(
+        info.value
+    ) and "same torch and fastdist everywhere" in str(info.value)
     store.set(VERSION_KEY, json.dumps(dict(versions(), world_size=4)))
     with pytest.raises(RendezvousConnectionError) as info:
         check_versions(store, 1, 2, "127.0.0.1", 1234, timeout=5)
@@ -157,7 +196,9 @@ def test_rendezvous_completes_when_everyone_comes_and_join_closes_early() -> Non
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fastdist", "doctor", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "fastdist", "doctor", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_doctor_against_a_healthy_and_a_dead_master() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 
 import pytest
-
 from mp import describe, run_ranks
 
 
@@ -21,7 +20,12 @@ def test_rpc_timeouts_are_typed_bounded_and_the_agent_keeps_working() -> None:
     assert not r0.has("no_timeout"), info
     sync = r0.record("sync_timeout")
     assert 1.0 <= sync["elapsed"] < 1.5, info
-    assert (sync["to"], sync["func"], sync["is_timeout"], sync["handler"]) == ("w1", "rpc_sleep", True, True), info
+    assert (sync["to"], sync["func"], sync["is_timeout"], sync["handler"]) == (
+        "w1",
+        "rpc_sleep",
+        True,
+        True,
+    ), info
     assert sync["message"].startswith("RPC rpc_sleep to 'w1' timed out after 1 s"), info
     assert r0.record("fast_after")["value"] == 5, info
     assert 0.5 <= r0.record("async_timeout")["elapsed"] < 1.0, info
@@ -32,8 +36,10 @@ def test_rpc_timeouts_are_typed_bounded_and_the_agent_keeps_working() -> None:
     assert r0.record("remote_ok")["value"] == 2, info
     assert r0.record("bad_args")["errors"] == [
         "ValueError: timeout must be positive, got 0.0",
-        "TypeError: timeout must be a number of seconds, a datetime.timedelta, math.inf, a RendezvousTimeout "
-        "or an open fail_after/fail_at scope; got str: '5'",
+        (
+            "TypeError: timeout must be a number of seconds, a datetime.timedelta, math.inf, a RendezvousTimeout "
+            "or an open fail_after/fail_at scope; got str: '5'"
+        ),
         "TypeError: func must be callable, got str: 'rpc_add'",
         "TypeError: args must be a tuple or None, got list",
         "TypeError: to must be a worker name, rank or WorkerInfo, got float: 3.5",

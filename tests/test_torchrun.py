@@ -26,20 +26,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(tmp_path: Path, scenario: str, nproc: int, launcher: list[str], env: dict[str, str] | None = None,
-              timeout: float = 100.0) -> tuple[int, dict[str, Any], str]:
+def _torchrun(
+    tmp_path: Path,
+    scenario: str,
+    nproc: int,
+    launcher: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 100.0,
+) -> tuple[int, dict[str, Any], str]:
     """Runs torchrun; returns its exit code, the workers' records by "attempt-rank", and its output."""
     out = tmp_path / scenario
     out.mkdir()
     child_env = dict(os.environ, FASTDIST_TEST_OUT=str(out), PYTHONUNBUFFERED="1", **(env or {}))
     child_env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
     child_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *launcher,
-           str(HERE / "torchrun_worker.py"), scenario]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        *launcher,
+        str(HERE / "torchrun_worker.py"),
+        scenario,
+    ]
     log = tmp_path / f"{scenario}.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, cwd=str(HERE.parent),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            cwd=str(HERE.parent),
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -64,8 +83,9 @@ def test_static_rendezvous_a_stopped_worker_is_named_and_all_recover_in_place(tm
     """fastdist.all_reduce on the gradients, then a DDP model (torch issues the collectives): each
     time one worker SIGSTOPs itself for 5 s mid-run."""
     port = _free_port()
-    code, recs, log = _torchrun(tmp_path, "train_sigstop", 3,
-                                ["--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0"])
+    code, recs, log = _torchrun(
+        tmp_path, "train_sigstop", 3, ["--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0"]
+    )
     info = f"{recs}\n{log[-4000:]}"
     assert code == 0, info
     assert sorted(recs) == ["0-0", "0-1", "0-2"], info
@@ -87,13 +107,20 @@ def test_static_rendezvous_a_stopped_worker_is_named_and_all_recover_in_place(tm
 
 def test_max_restarts_the_next_attempt_never_meets_the_last_ones_keys(tmp_path: Path) -> None:
     port = _free_port()
-    code, recs, log = _torchrun(tmp_path, "restart", 3,
-                                ["--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=1",
-                                 "--monitor-interval=0.1"])
+    code, recs, log = _torchrun(
+        tmp_path,
+        "restart",
+        3,
+        ["--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=1", "--monitor-interval=0.1"],
+    )
     info = f"{recs}\n{log[-4000:]}"
     assert code == 0, info
     # Attempt 0 recovered once, then its timeout handler ended rank 0 or 1 with code 3.
-    assert "exitcode  : 3" in log or "exitcode: 3" in log.replace(" ", "") or "exitcode:3" in log.replace(" ", ""), info
+    assert (
+        "exitcode  : 3" in log
+        or "exitcode: 3" in log.replace(" ", "")
+        or "exitcode:3" in log.replace(" ", "")
+    ), info
     for r in (0, 1):
         assert recs[f"0-{r}"]["recovered"] == [3], info
         assert not recs[f"0-{r}"].get("done"), info
@@ -113,8 +140,10 @@ def test_standalone_and_c10d_rendezvous(tmp_path: Path, launcher: str) -> None:
     else:
         port = _free_port()
         # A value the user set in the launching environment is theirs: kept, with a warning.
-        args, env = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fdtest"], {
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+        args, env = (
+            ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fdtest"],
+            {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+        )
     code, recs, log = _torchrun(tmp_path, "smoke", 2, args, env)
     info = f"{recs}\n{log[-4000:]}"
     assert code == 0, info
@@ -124,8 +153,12 @@ def test_standalone_and_c10d_rendezvous(tmp_path: Path, launcher: str) -> None:
         # torchrun hands every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless the user set it.
         assert rec["nccl_mode_before"] == "1", info
         if launcher == "standalone":
-            assert rec["nccl_mode_after"] == "2" and not rec["nccl_warned"], info  # torchrun's default: replaced
+            assert rec["nccl_mode_after"] == "2" and not rec["nccl_warned"], (
+                info
+            )  # torchrun's default: replaced
         else:
-            assert rec["nccl_mode_after"] == "1" and rec["nccl_warned"], info  # the user's: kept, with a warning
+            assert rec["nccl_mode_after"] == "1" and rec["nccl_warned"], (
+                info
+            )  # the user's: kept, with a warning
         # doctor inside a worker: the agent holds MASTER_PORT, as expected there.
         assert rec["doctor"]["code"] == 0 and rec["doctor"]["checks"].get("port") is True, info

@@ -8,7 +8,6 @@ the report window plus slack for a loaded 2-core machine."""
 from __future__ import annotations
 
 import pytest
-
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(150)

@@ -10,10 +10,9 @@ import sys
 import time
 from typing import Any
 
+import fastdist
 import torch
 import torch.distributed as dist
-
-import fastdist
 
 RANK = int(os.environ["RANK"])
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -27,7 +26,7 @@ def save() -> None:
     os.replace(os.path.join(OUT, f"{ATTEMPT}-{RANK}.json.tmp"), os.path.join(OUT, f"{ATTEMPT}-{RANK}.json"))
 
 
-from scenarios_watched import _stop_for as stop_self_for  # noqa: E402  (tests/ is on sys.path: the script's folder)
+from scenarios_watched import _stop_for as stop_self_for
 
 
 def train(steps: int, stop_at: int | None, timeout: float) -> None:
@@ -52,7 +51,12 @@ def train(steps: int, stop_at: int | None, timeout: float) -> None:
                 p.grad /= dist.get_world_size()
         except (fastdist.CollectiveTimeoutError, fastdist.GroupAbortedError) as e:
             results.setdefault("errors", []).append(
-                {"kind": type(e).__name__, "step": step, "missing": getattr(e, "missing_ranks", None), "message": str(e)}
+                {
+                    "kind": type(e).__name__,
+                    "step": step,
+                    "missing": getattr(e, "missing_ranks", None),
+                    "message": str(e),
+                }
             )
             fastdist.recover(timeout=30)
             continue  # the same step again, on the rebuilt group
@@ -112,7 +116,9 @@ def restart() -> None:
             fastdist.all_reduce(t, timeout=1.0)
             results.setdefault("no_error", []).append(i)
         except (fastdist.CollectiveTimeoutError, fastdist.GroupAbortedError) as e:
-            results.setdefault("errors", []).append({"kind": type(e).__name__, "missing": getattr(e, "missing_ranks", None)})
+            results.setdefault("errors", []).append(
+                {"kind": type(e).__name__, "missing": getattr(e, "missing_ranks", None)}
+            )
             save()
         fastdist.recover(timeout=30)
         results.setdefault("recovered", []).append(dist.get_world_size())

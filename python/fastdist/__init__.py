@@ -20,8 +20,8 @@ if _torch.__version__ != _build_info.TORCH_VERSION:
         "source>, or make setup)"
     )
 
-from ._checks import checks_enabled, set_checks
 from . import _watch  # noqa: F401  (watched groups: patches torch at init_process_group)
+from ._checks import checks_enabled, set_checks
 from ._groups import is_dead
 from ._timeouts import (
     DeadlineScope,

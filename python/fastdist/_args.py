@@ -24,8 +24,10 @@ def check_tensor(value: object, name: str) -> None:
 def not_contiguous(name: str, value: torch.Tensor) -> NoReturn:
     # gloo reads and writes the tensor's storage as if it were contiguous: the result would be
     # silently wrong (torch does not check either).
-    raise ValueError(f"{name} must be contiguous (gloo would silently use the wrong elements); got a tensor with "
-                     f"shape {list(value.shape)} and strides {list(value.stride())}: pass {name}.contiguous()")
+    raise ValueError(
+        f"{name} must be contiguous (gloo would silently use the wrong elements); got a tensor with "
+        f"shape {list(value.shape)} and strides {list(value.stride())}: pass {name}.contiguous()"
+    )
 
 
 def check_tensor_list(value: object, name: str) -> None:

@@ -61,4 +61,6 @@ def verify(st: Any, op: str, seq: int, signature: str, deadline: float) -> bool:
     # The signature most ranks used is "expected"; ties go to the lowest rank's.
     expected = max(counts, key=lambda s: (counts[s], -min(r for r, x in sigs.items() if x == s)))
     differing = {st.global_rank(r): s for r, s in sigs.items() if s != expected}
-    raise CollectiveMismatchError(op=op, seq=seq, group=st.name, rank=st.my_global_rank, expected=expected, differing=differing)
+    raise CollectiveMismatchError(
+        op=op, seq=seq, group=st.name, rank=st.my_global_rank, expected=expected, differing=differing
+    )

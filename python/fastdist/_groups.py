@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,22 @@ class GroupState:
     """What fastdist tracks for one process group (held weakly: it dies with the group)."""
 
     __slots__ = (
-        "ref", "name", "rank", "size", "global_ranks", "store", "seq", "_ops", "dead_reason",
-        "generation", "backend", "polled", "is_default", "watched", "owner", "__weakref__",
+        "__weakref__",
+        "_ops",
+        "backend",
+        "dead_reason",
+        "generation",
+        "global_ranks",
+        "is_default",
+        "name",
+        "owner",
+        "polled",
+        "rank",
+        "ref",
+        "seq",
+        "size",
+        "store",
+        "watched",
     )
 
     def __init__(self, pg: Any) -> None:
@@ -45,15 +59,15 @@ class GroupState:
         self.name = name_of(pg)
         self.rank: int = pg.rank()
         self.size: int = pg.size()
-        self.global_ranks: Optional[list[int]] = _global_ranks(pg)
+        self.global_ranks: list[int] | None = _global_ranks(pg)
         # The store that diagnostics, checks and recovery use: the default store, which every
         # rank of every group shares. None for a hand-built backend outside any job.
-        self.store: Optional[Any] = _default_store() if self.global_ranks is not None else None
+        self.store: Any | None = _default_store() if self.global_ranks is not None else None
         self.seq = 0
         self._ops: list[str] = [""] * _OP_HISTORY  # op names by sequence number, a ring
         # Why the group is dead, as text: an exception object would keep the frames of the call
         # that failed, and with them the dead group itself, alive for good.
-        self.dead_reason: Optional[str] = None
+        self.dead_reason: str | None = None
         self.generation = _generations.get(self.name, 0)
         self.backend = _polled.backend_of(pg)
         # NCCL-like: works must be polled for completion, and aborted at the deadline.
@@ -63,7 +77,7 @@ class GroupState:
         # and reports every op itself.
         self.watched = watched_backend(pg)
         # The thread in a blocking fastdist call on the group, if any (see collectives).
-        self.owner: Optional[int] = None
+        self.owner: int | None = None
 
     def begin(self, op: str) -> int:
         """Numbers the next op on this group (1, 2, ...): the same on every rank in step."""
@@ -71,7 +85,7 @@ class GroupState:
         self._ops[seq % _OP_HISTORY] = op
         return seq
 
-    def prev_op_of(self, seq: int) -> Optional[str]:
+    def prev_op_of(self, seq: int) -> str | None:
         """``"op #n"`` for the op issued just before ``seq``: the last one that every rank
         reached, when ``seq`` is the one that hung."""
         prev = seq - 1
@@ -95,7 +109,7 @@ _held: dict[int, tuple[Any, list[Any]]] = {}
 _generations: dict[str, int] = {}
 
 
-def resolve(group: Any) -> Optional[Any]:
+def resolve(group: Any) -> Any | None:
     """The ProcessGroup for ``group=`` (``None`` = the default group), or ``None`` when this
     process is not a member of it. Raises for anything that is not a group."""
     if group is None:
@@ -112,7 +126,9 @@ def resolve(group: Any) -> Optional[Any]:
         return None
     # A raw backend (e.g. a ProcessGroupGloo built by hand) has the same per-call API.
     if not isinstance(group, (dist.ProcessGroup, _Backend)):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}: {group!r}")
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}: {group!r}"
+        )
     return group
 
 
@@ -145,11 +161,13 @@ def name_of(pg: Any) -> str:
         return "default"
     name = getattr(pg, "group_name", None)
     if not name:
-        name = dist.distributed_c10d._world.pg_names.get(pg, None) if isinstance(pg, dist.ProcessGroup) else None
+        name = (
+            dist.distributed_c10d._world.pg_names.get(pg, None) if isinstance(pg, dist.ProcessGroup) else None
+        )
     return str(name or f"backend-{id(pg):x}")
 
 
-def watched_backend(pg: Any) -> Optional[Any]:
+def watched_backend(pg: Any) -> Any | None:
     """The WatchedBackend registered in ``pg`` (fastdist._watched), or None: a group fastdist
     does not watch."""
     if not isinstance(pg, dist.ProcessGroup):
@@ -168,7 +186,7 @@ def watched_backend(pg: Any) -> Optional[Any]:
     return None
 
 
-def _global_ranks(pg: Any) -> Optional[list[int]]:
+def _global_ranks(pg: Any) -> list[int] | None:
     if not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
         return None
     try:
@@ -177,7 +195,7 @@ def _global_ranks(pg: Any) -> Optional[list[int]]:
         return None
 
 
-def _default_store() -> Optional[Any]:
+def _default_store() -> Any | None:
     try:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):
@@ -190,8 +208,9 @@ def check_alive(st: GroupState, op: str) -> None:
         raise GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=st.dead_reason)
 
 
-def mark_dead(pg: Any, reason: str, abandoned: Optional[Any] = None, level: int = logging.WARNING,
-              replace: bool = False) -> None:
+def mark_dead(
+    pg: Any, reason: str, abandoned: Any | None = None, level: int = logging.WARNING, replace: bool = False
+) -> None:
     """Records that ``pg`` is aborted. ``abandoned``: the token of its op still in flight, whose
     end releases the group (see :func:`release_finished`). ``replace``: a better reason than
     the first one recorded (logged only if it is the first)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import math
 import threading
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -34,7 +34,7 @@ def run(
     start: float,
     deadline: float,
     issue: Callable[[Any, Any], Any],
-    kind: Optional[type],
+    kind: type | None,
     signature: Callable[[], str],
     async_op: bool = False,
     fields: tuple[tuple[str, Any], ...] = (),
@@ -63,7 +63,7 @@ def _run_watched(
     start: float,
     deadline: float,
     issue: Callable[[Any, Any], Any],
-    kind: Optional[type],
+    kind: type | None,
     signature: Callable[[], str],
     async_op: bool,
     fields: tuple[tuple[str, Any], ...],
@@ -119,7 +119,7 @@ class WatchedHandle(Work):
     :class:`GroupAbortedError`) at that deadline; ``wait(timeout)`` waits at most ``timeout`` more
     seconds and raises a plain :class:`TimeoutError` if that ends first (the op is still watched)."""
 
-    __slots__ = ("op", "_work", "_deadline")
+    __slots__ = ("_deadline", "_work", "op")
 
     def __init__(self, op: str, work: Any, deadline: float) -> None:
         self.op = op
@@ -151,7 +151,7 @@ class WatchedHandle(Work):
         """True once the op finished, successfully or not (its deadline passing included)."""
         return bool(self._work.is_completed())
 
-    def exception(self) -> Optional[BaseException]:
+    def exception(self) -> BaseException | None:
         """The error the op ended with (a timeout included), or None; None while in flight."""
         if not self._work.is_completed():
             return None
@@ -169,6 +169,6 @@ class WatchedHandle(Work):
 
     def __repr__(self) -> str:
         state = "completed" if self._work.is_completed() else "pending"
-        return f"<fastdist.WatchedHandle {self.op} {state}, deadline in {self._deadline - current_time():.3f} s>"
-
-
+        return (
+            f"<fastdist.WatchedHandle {self.op} {state}, deadline in {self._deadline - current_time():.3f} s>"
+        )

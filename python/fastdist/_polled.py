@@ -27,7 +27,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,7 @@ class Reaper:
         self._lock = threading.Lock()
         self._queues: dict[tuple[int, bool], collections.deque[tuple[Any, Any]]] = {}
         self._wake = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._stopped = False
         self.reaped = 0
 
@@ -231,7 +231,8 @@ def abort_group(pg: Any, is_default: bool, error: BaseException) -> None:
             return
         logger.critical(
             "fastdist: aborting the communicators of a timed-out group did not return within %.3g s; "
-            "ending the process (set a timeout handler that raises to decide otherwise)", ABORT_TIMEOUT_SECONDS,
+            "ending the process (set a timeout handler that raises to decide otherwise)",
+            ABORT_TIMEOUT_SECONDS,
         )
         try:
             run_timeout_handler(error)
@@ -302,7 +303,11 @@ def _abort(pg: Any, is_default: bool) -> None:
     if not is_default:
         pg.abort()
         return
-    groups = sorted(dist.distributed_c10d._world.pg_names, key=lambda g: dist.distributed_c10d._world.pg_names[g], reverse=True)
+    groups = sorted(
+        dist.distributed_c10d._world.pg_names,
+        key=lambda g: dist.distributed_c10d._world.pg_names[g],
+        reverse=True,
+    )
     try:
         backend = pg._get_backend(torch.device("cuda"))
     except (RuntimeError, AttributeError):
@@ -316,4 +321,3 @@ def _abort(pg: Any, is_default: bool) -> None:
     finally:
         if grouped:
             backend._group_end()
-

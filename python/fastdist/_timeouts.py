@@ -9,28 +9,27 @@ that of every enclosing scope.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import datetime
 import math
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Union
 
 from . import _core, _watched
 
 __all__ = [
+    "DeadlineScope",
+    "RendezvousTimeout",
     "TimeoutLike",
     "current_time",
     "fail_after",
     "fail_at",
     "get_default_timeout",
-    "set_default_timeout",
     "get_timeout_handler",
+    "set_default_timeout",
     "set_timeout_handler",
-    "DeadlineScope",
-    "RendezvousTimeout",
 ]
 
 _DEFAULT_TIMEOUT_FALLBACK = 600.0
@@ -45,7 +44,7 @@ def current_time() -> float:
 # The engine, created on first use so that `import fastdist` starts no thread.
 
 _engine_lock = threading.Lock()
-_engine: Optional[_core.Engine] = None
+_engine: _core.Engine | None = None
 
 
 def engine() -> _core.Engine:
@@ -86,10 +85,10 @@ def validate_seconds(value: object, name: str = "timeout", *, deadline_objects: 
 # ---------------------------------------------------------------------------------------------
 # Default timeout
 
-_default_timeout: Optional[float] = None
+_default_timeout: float | None = None
 
 
-def set_default_timeout(timeout: Union[float, datetime.timedelta, None]) -> None:
+def set_default_timeout(timeout: float | datetime.timedelta | None) -> None:
     """Sets the timeout used when a call gets ``timeout=None``. ``None`` restores the default:
     ``FASTDIST_TIMEOUT`` (seconds) from the environment, else 600 s."""
     global _default_timeout
@@ -115,7 +114,9 @@ def get_default_timeout() -> float:
 
 # The sooner of every enclosing scope's deadline; math.inf outside any scope. A ContextVar, so
 # that each thread (and each asyncio task) sees only the scopes it entered.
-_scope_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("fastdist_scope_deadline", default=math.inf)
+_scope_deadline: contextvars.ContextVar[float] = contextvars.ContextVar(
+    "fastdist_scope_deadline", default=math.inf
+)
 
 
 class DeadlineScope:
@@ -148,8 +149,7 @@ class _Scope(DeadlineScope):
 
     def __enter__(self) -> DeadlineScope:
         outer = _scope_deadline.get()
-        if outer < self.deadline:
-            self.deadline = outer
+        self.deadline = min(self.deadline, outer)
         self._reset = _scope_deadline.set(self.deadline)
         # The C++ side of watched groups reads the scope from the thread (and, for threads that
         # never ran Python, such as autograd's device threads, from the soonest scope open in the
@@ -185,13 +185,15 @@ def fail_at(deadline: float) -> _Scope:
     nothing by itself.
     """
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
-        raise TypeError(f"deadline must be a number (seconds on fastdist.current_time()), got {type(deadline).__name__}: {deadline!r}")
+        raise TypeError(
+            f"deadline must be a number (seconds on fastdist.current_time()), got {type(deadline).__name__}: {deadline!r}"
+        )
     if math.isnan(deadline):
         raise ValueError(f"deadline must not be NaN, got {deadline!r}")
     return _Scope(float(deadline))
 
 
-def fail_after(seconds: Union[float, datetime.timedelta]) -> _Scope:
+def fail_after(seconds: float | datetime.timedelta) -> _Scope:
     """Bounds every fastdist call inside the block, and every op on a watched group issued from
     it, to finish within ``seconds`` of entering it::
 
@@ -226,7 +228,7 @@ _now = _core.monotonic
 
 
 # Set by fastdist._watch: finds the fastdist error behind an exception torch re-wrapped.
-_typed_error_for: Optional[Callable[[BaseException, float], Optional[BaseException]]] = None
+_typed_error_for: Callable[[BaseException, float], BaseException | None] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,15 +249,15 @@ class RendezvousTimeout:
         if rt.is_timed_out(): ...
     """
 
-    __slots__ = ("_timeout", "_deadline", "_lock", "join", "last_call", "heartbeat")
+    __slots__ = ("_deadline", "_lock", "_timeout", "heartbeat", "join", "last_call")
 
     def __init__(
         self,
-        timeout: Union[float, datetime.timedelta] = 10.0,
+        timeout: float | datetime.timedelta = 10.0,
         *,
-        join: Union[float, datetime.timedelta, None] = None,
-        last_call: Union[float, datetime.timedelta, None] = None,
-        heartbeat: Union[float, datetime.timedelta, None] = None,
+        join: float | datetime.timedelta | None = None,
+        last_call: float | datetime.timedelta | None = None,
+        heartbeat: float | datetime.timedelta | None = None,
     ) -> None:
         self._timeout = validate_seconds(timeout, "timeout")
         # For fastdist.init_process_group's rendezvous (see fastdist.rendezvous.rendezvous):
@@ -263,7 +265,7 @@ class RendezvousTimeout:
         self.join = None if join is None else validate_seconds(join, "join")
         self.last_call = None if last_call is None else validate_seconds(last_call, "last_call")
         self.heartbeat = None if heartbeat is None else validate_seconds(heartbeat, "heartbeat")
-        self._deadline: Optional[float] = None
+        self._deadline: float | None = None
         self._lock = threading.Lock()
 
     @property
@@ -277,7 +279,7 @@ class RendezvousTimeout:
         return self._deadline is not None
 
     @property
-    def deadline(self) -> Optional[float]:
+    def deadline(self) -> float | None:
         """The absolute deadline on :func:`current_time`'s clock, or ``None`` while open."""
         return self._deadline
 
@@ -331,7 +333,7 @@ def effective_deadline(timeout: object, now: float) -> float:
     else:
         deadline = resolve_deadline(timeout, now)
     scope = _scope_deadline.get()
-    return deadline if deadline < scope else scope
+    return min(scope, deadline)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,10 +341,10 @@ def effective_deadline(timeout: object, now: float) -> float:
 
 TimeoutHandler = Callable[[BaseException], Any]
 
-_handler: Optional[TimeoutHandler] = None
+_handler: TimeoutHandler | None = None
 
 
-def set_timeout_handler(handler: Optional[TimeoutHandler]) -> None:
+def set_timeout_handler(handler: TimeoutHandler | None) -> None:
     """Sets ``handler(error)``, run in the thread that observed a timeout before the error is
     raised (or before ``False`` is returned with ``raise_on_timeout=False``). If it raises,
     including ``sys.exit()``, that propagates instead; if it returns, the default behaviour
@@ -353,7 +355,7 @@ def set_timeout_handler(handler: Optional[TimeoutHandler]) -> None:
     _handler = handler
 
 
-def get_timeout_handler() -> Optional[TimeoutHandler]:
+def get_timeout_handler() -> TimeoutHandler | None:
     """The handler set by :func:`set_timeout_handler`, or ``None``."""
     return _handler
 

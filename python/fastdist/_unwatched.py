@@ -15,12 +15,21 @@ import copy
 import threading
 import time
 import weakref
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn
 
 from . import _checks, _groups, _polled, _verdict, diagnostics
 from ._timeouts import TimeoutLike, current_time, effective_deadline, engine
 from ._work import (
-    COMPLETED, EXPIRED, PENDING, Work, abandon, backend_options, fail, run_handler_unwaited, wait_posted, wait_until,
+    COMPLETED,
+    EXPIRED,
+    PENDING,
+    Work,
+    abandon,
+    backend_options,
+    fail,
+    run_handler_unwaited,
+    wait_posted,
+    wait_until,
     watch,
 )
 from .errors import CollectiveTimeoutError, GroupAbortedError
@@ -35,7 +44,7 @@ def run(
     start: float,
     deadline: float,
     issue: Callable[[Any, Any], Any],
-    kind: Optional[type],
+    kind: type | None,
     signature: Callable[[], str],
     async_op: bool,
     fields: tuple[tuple[str, Any], ...],
@@ -46,7 +55,9 @@ def run(
         _groups.check_alive(st, op)
     seq = st.begin(op)
     if _checks.active and not _checks.verify(st, op, seq, f"{op}({signature()})", deadline):
-        fail(_timed_out(pg, st, op, seq, start, deadline, cause="while comparing signatures (FASTDIST_CHECK)"))
+        fail(
+            _timed_out(pg, st, op, seq, start, deadline, cause="while comparing signatures (FASTDIST_CHECK)")
+        )
     now = _monotonic()
     if now >= deadline:
         # This rank skips the collective its peers will make, so the group is out of step.
@@ -72,16 +83,25 @@ def run(
     fail(_timed_out(pg, st, op, seq, start, deadline, token=token))
 
 
-
-
-def _timed_out(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, token: Any = None, cause: Optional[str] = None) -> CollectiveTimeoutError:
+def _timed_out(
+    pg: Any,
+    st: Any,
+    op: str,
+    seq: int,
+    start: float,
+    deadline: float,
+    token: Any = None,
+    cause: str | None = None,
+) -> CollectiveTimeoutError:
     """Marks the group dead and builds the report for a collective whose deadline passed."""
     _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}", abandoned=token)
     rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
     return _verdict.timeout_error(st, op, seq, start, deadline, rep, st.prev_op_of(seq), cause)
 
 
-def _backend_failed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, exc: RuntimeError) -> BaseException:
+def _backend_failed(
+    pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, exc: RuntimeError
+) -> BaseException:
     """The error to raise for a backend failure, or ``exc`` itself if it is not about the group."""
     text = _verdict.first_line(exc)
     verdict = _verdict.classify(text)
@@ -113,13 +133,20 @@ def _wait_polled(op: str, pg: Any, st: Any, seq: int, work: Any, start: float, d
     fail(_expire_polled(pg, st, op, seq, start, deadline))
 
 
-def _expire_polled(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float) -> CollectiveTimeoutError:
+def _expire_polled(
+    pg: Any, st: Any, op: str, seq: int, start: float, deadline: float
+) -> CollectiveTimeoutError:
     """At the deadline on an NCCL-like group: mark it dead, start aborting its communicators
     (in the background, bounded), and assemble the report meanwhile."""
     _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
     last_seen = st.prev_op_of(seq)
-    _polled.abort_group(pg, st.is_default, _verdict.timeout_error(st, op, seq, start, deadline, None, last_seen,
-                                                                  "aborting the communicators hung"))
+    _polled.abort_group(
+        pg,
+        st.is_default,
+        _verdict.timeout_error(
+            st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
+        ),
+    )
     rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
     return _verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, "communicators aborted")
 
@@ -144,7 +171,7 @@ class UnwatchedWork(Work):
         self._work = work
         self._start = start
         self._deadline = deadline
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._reported = False  # the expiry ran (see _report_cond)
         self._polled = st.polled
         if st.polled:
@@ -170,14 +197,20 @@ class UnwatchedWork(Work):
             if (self._polled or not self._has_future) and self._work.is_completed():
                 return  # finished; only nobody was told (no future, or not polled yet)
             if self._polled:
-                self._error = _expire_polled(self._pg, self._st, self.op, self._seq, self._start, self._deadline)
+                self._error = _expire_polled(
+                    self._pg, self._st, self.op, self._seq, self._start, self._deadline
+                )
             else:
-                self._error = _timed_out(self._pg, self._st, self.op, self._seq, self._start, self._deadline, token=self._token)
+                self._error = _timed_out(
+                    self._pg, self._st, self.op, self._seq, self._start, self._deadline, token=self._token
+                )
                 abandon(self._token, self._callback_ref)
         except BaseException as exc:  # noqa: BLE001 - made into the handle's error
             reason = f"{self.op} #{self._seq} timed out on rank {self._st.my_global_rank} (its report failed: {exc!r})"
             _groups.mark_dead(self._pg, reason)
-            self._error = GroupAbortedError(op=self.op, group=self._st.name, rank=self._st.my_global_rank, reason=reason)
+            self._error = GroupAbortedError(
+                op=self.op, group=self._st.name, rank=self._st.my_global_rank, reason=reason
+            )
         finally:
             self._set_reported()
         if isinstance(self._error, CollectiveTimeoutError):
@@ -205,7 +238,7 @@ class UnwatchedWork(Work):
         except RuntimeError:
             return True  # the backend failed it: exception() and wait() say how
 
-    def exception(self) -> Optional[BaseException]:
+    def exception(self) -> BaseException | None:
         """The error the op ended with (a timeout included), or None."""
         if self._token.state == EXPIRED:
             self._wait_reported()
@@ -219,7 +252,9 @@ class UnwatchedWork(Work):
 
     def _failure(self, exc: RuntimeError) -> BaseException:
         if self._error is None:
-            self._error = _backend_failed(self._pg, self._st, self.op, self._seq, self._start, self._deadline, exc)
+            self._error = _backend_failed(
+                self._pg, self._st, self.op, self._seq, self._start, self._deadline, exc
+            )
         return self._error
 
     def wait(self, timeout: TimeoutLike = None) -> bool:
@@ -246,7 +281,7 @@ class UnwatchedWork(Work):
         raise self._gave_up(self._seq, limit - now)
 
     @staticmethod
-    def _raise(err: BaseException, cause: Optional[BaseException] = None) -> NoReturn:
+    def _raise(err: BaseException, cause: BaseException | None = None) -> NoReturn:
         # A copy: the handle keeps the original, and a raised exception must not be reachable
         # from the frames in its own traceback (see _work.fail).
         raise copy.copy(err) from cause
@@ -264,7 +299,7 @@ class UnwatchedWork(Work):
 
     def __repr__(self) -> str:
         left = self._deadline - current_time()
-        state = {COMPLETED: "completed", EXPIRED: "timed out", PENDING: "pending"}.get(self._token.state, "cancelled")
+        state = {COMPLETED: "completed", EXPIRED: "timed out", PENDING: "pending"}.get(
+            self._token.state, "cancelled"
+        )
         return f"<fastdist.Work {self.op} #{self._seq} {state}, deadline in {left:.3f} s>"
-
-

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Optional
+from typing import Any
 
 from . import _groups, diagnostics
 from ._timeouts import current_time
@@ -23,13 +23,18 @@ PEER_CLOSED_WAIT = 5.0
 # What gloo says when its own per-call timeout fires, and when a peer closed the group. gloo raises
 # a plain RuntimeError for both (not one of torch's DistError classes), so only its text tells.
 _BACKEND_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
-_PEER_CLOSED_MARKERS = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe")
+_PEER_CLOSED_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "pair closure",
+    "Broken pipe",
+)
 
 TIMEOUT = "timeout"
 PEER_CLOSED = "peer_closed"
 
 
-def classify(exc: BaseException | str) -> Optional[str]:
+def classify(exc: BaseException | str) -> str | None:
     """:data:`TIMEOUT` when a backend error (or its text) is the backend's own per-call timeout,
     :data:`PEER_CLOSED` when a peer closed the group's connections, else None."""
     text = exc if isinstance(exc, str) else str(exc)
@@ -45,27 +50,44 @@ def first_line(exc: BaseException | str) -> str:
     return text.splitlines()[0] if text else (type(exc).__name__ if not isinstance(exc, str) else "")
 
 
-def timeout_error(st: Any, op: str, seq: Optional[int], start: float, deadline: float,
-                  rep: Optional[diagnostics.Report], last_seen: Optional[str],
-                  cause: Optional[str]) -> CollectiveTimeoutError:
+def timeout_error(
+    st: Any,
+    op: str,
+    seq: int | None,
+    start: float,
+    deadline: float,
+    rep: diagnostics.Report | None,
+    last_seen: str | None,
+    cause: str | None,
+) -> CollectiveTimeoutError:
     """The :class:`CollectiveTimeoutError` for op ``seq`` of group ``st`` (a GroupState)."""
     return CollectiveTimeoutError(
-        op=op, seq=seq, rank=st.my_global_rank, world_size=st.size, group=st.name,
-        timeout=deadline - start if math.isfinite(deadline) else math.inf, elapsed=current_time() - start,
-        missing_ranks=None if rep is None else rep.missing, desynced=None if rep is None else rep.desynced,
-        last_seen=last_seen, cause=cause,
+        op=op,
+        seq=seq,
+        rank=st.my_global_rank,
+        world_size=st.size,
+        group=st.name,
+        timeout=deadline - start if math.isfinite(deadline) else math.inf,
+        elapsed=current_time() - start,
+        missing_ranks=None if rep is None else rep.missing,
+        desynced=None if rep is None else rep.desynced,
+        last_seen=last_seen,
+        cause=cause,
     )
 
 
-def peer_closed(pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, last_seen: Optional[str],
-                text: str) -> BaseException:
+def peer_closed(
+    pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, last_seen: str | None, text: str
+) -> BaseException:
     """A peer closed the group under op ``seq``: it timed out first (then this is a timeout too,
     unless this rank only arrived after that: a straggler), or it died. Marks the group dead."""
     _groups.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
     # Ranks still inside the op report when their deadline passes: wait for them until ours.
     left = deadline - current_time() if math.isfinite(deadline) else 0.0
     until = time.monotonic() + max(0.0, min(left, PEER_CLOSED_WAIT))
-    rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, until=until)
+    rep = diagnostics.report(
+        st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, until=until
+    )
     cause, why = diagnostics.peer_closed_verdict(rep, time.time() - (current_time() - start))
     if rep is None and diagnostics.store_failure is not None:
         why = diagnostics.store_gone_reason()

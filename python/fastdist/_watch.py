@@ -18,20 +18,18 @@ from __future__ import annotations
 import atexit
 import copy
 import logging
-import math
 import os
 import sys
 import threading
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
 from . import _core, _groups, _verdict, _watched, diagnostics
-from ._timeouts import current_time, get_default_timeout, run_timeout_handler
+from ._timeouts import get_default_timeout, run_timeout_handler
 from ._work import run_handler_unwaited
 from .errors import CollectiveTimeoutError, FastdistError, GroupAbortedError
 
@@ -44,7 +42,7 @@ _active = False
 # ctl id -> (weak reference to the ProcessGroup, device) for every watched backend.
 _registry: dict[int, tuple[Any, torch.device]] = {}
 # The group timeout the user gave fastdist.init_process_group (seconds), or None.
-_user_timeout: Optional[float] = None
+_user_timeout: float | None = None
 # The most recent faults, (time.monotonic(), exception): a scope turns a backend error that torch
 # re-wrapped on its way up back into the typed one.
 _recent: list[tuple[float, BaseException]] = []
@@ -70,7 +68,7 @@ _WATCHED_TYPES = {ProcessGroup.BackendType.GLOO}
 if hasattr(ProcessGroup.BackendType, "NCCL"):
     _WATCHED_TYPES.add(ProcessGroup.BackendType.NCCL)
 
-_wrapped: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+_wrapped: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
 
 def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
@@ -91,11 +89,14 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
     wrapper = WatchedBackend(backend, "", float(timeout), polled)
     per_pg[id(backend)] = wrapper
     with _lock:
-        _registry[wrapper.ctl_id] = (weakref.ref(pg), torch.device(device) if not isinstance(device, torch.device) else device)
+        _registry[wrapper.ctl_id] = (
+            weakref.ref(pg),
+            torch.device(device) if not isinstance(device, torch.device) else device,
+        )
     return wrapper
 
 
-def activate(user_timeout: Optional[float]) -> None:
+def activate(user_timeout: float | None) -> None:
     """Watches every group made from now on (called by fastdist.init_process_group)."""
     global _active, _user_timeout
     with _lock:
@@ -160,7 +161,9 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         return GroupAbortedError(op=op, group="?", rank=-1, reason=info["detail"] or f"{op} #{seq} {kind}")
     st = _groups.state_of(pg)
     if kind == "refused":
-        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=info["detail"] or "aborted")
+        return GroupAbortedError(
+            op=op, group=st.name, rank=st.my_global_rank, reason=info["detail"] or "aborted"
+        )
     start = float(info["start"])
     deadline = float(info["deadline"])
     last_seen = info["prev"] or None
@@ -179,8 +182,13 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         if st.polled:
             from . import _polled
 
-            _polled.abort_group(pg, st.is_default, _verdict.timeout_error(
-                st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"))
+            _polled.abort_group(
+                pg,
+                st.is_default,
+                _verdict.timeout_error(
+                    st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
+                ),
+            )
         rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
         cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
         if rep is None and diagnostics.store_failure is not None:
@@ -205,7 +213,7 @@ def _run_handler(err: BaseException, waiter: bool) -> None:
         run_handler_unwaited(err)
 
 
-def typed_error_for(exc: BaseException, since: float) -> Optional[BaseException]:
+def typed_error_for(exc: BaseException, since: float) -> BaseException | None:
     """The fastdist error behind ``exc`` (a RuntimeError torch made of it on its way up), if a
     fault was delivered since ``since`` (a time.monotonic() value)."""
     if isinstance(exc, FastdistError):
@@ -239,7 +247,7 @@ def watched_groups() -> list[Any]:
 
 # DistributedDataParallel modules on watched groups, so that recover() can reset their reducers
 # (a backward that failed leaves DDP waiting for a reduction that never finished).
-_ddp_modules: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_ddp_modules: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _track_ddp() -> None:
@@ -258,7 +266,7 @@ def _track_ddp() -> None:
     DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
 
 
-def reset_ddp(old_groups: list[Any], replacement: Optional[Any] = None) -> int:
+def reset_ddp(old_groups: list[Any], replacement: Any | None = None) -> int:
     """Resets every DDP module on one of ``old_groups`` after a recovery: its reducer forgets the
     failed iteration and, with ``replacement`` (a shrunk default group), moves to that group, so
     that gradients are averaged over the new world size. Returns how many were reset."""
@@ -330,6 +338,6 @@ def _at_exit() -> None:
 
 EXIT_DRAIN_SECONDS = 2.0
 
-from . import _timeouts as _timeouts_mod  # noqa: E402
+from . import _timeouts as _timeouts_mod
 
 _timeouts_mod._typed_error_for = typed_error_for

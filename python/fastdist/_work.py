@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn
 
 from . import _core, _verdict, _watched
 from ._timeouts import current_time, engine, run_timeout_handler
@@ -48,7 +48,7 @@ _abandoned_lock = threading.Lock()
 _exit_hook_registered = False
 
 
-def future_of(work: Any) -> Optional[Any]:
+def future_of(work: Any) -> Any | None:
     """The ``torch.futures.Future`` behind ``work`` (a ``Work`` or already a ``Future``), or
     ``None`` for work that has none (gloo send/recv)."""
     get_future = getattr(work, "get_future", None)
@@ -60,7 +60,9 @@ def future_of(work: Any) -> Optional[Any]:
         return None
 
 
-def watch(work: Any, deadline: float, on_expire: Optional[Callable[[], None]] = None) -> tuple[_core.Token, Optional[_core.Notifier]]:
+def watch(
+    work: Any, deadline: float, on_expire: Callable[[], None] | None = None
+) -> tuple[_core.Token, _core.Notifier | None]:
     """A token for ``work``: completed by the work's done-callback, expired at ``deadline``.
     Also returns that callback (None when the work has no future: then nothing completes the
     token, and the caller must)."""
@@ -123,7 +125,7 @@ def wait_posted(work: Any, limit: float) -> bool:
     return bool(work.is_completed())
 
 
-def abandon(token: _core.Token, callback_ref: Optional[Callable[[], Any]]) -> None:
+def abandon(token: _core.Token, callback_ref: Callable[[], Any] | None) -> None:
     """Remembers work left in flight at its deadline: the exit hook waits (bounded) until torch
     has run and dropped its done-callback, whose weak reference is ``callback_ref``."""
     if callback_ref is None:
@@ -221,10 +223,10 @@ class Work(abc.ABC):
         """True once the op finished, successfully or not (its deadline passing included)."""
 
     @abc.abstractmethod
-    def exception(self) -> Optional[BaseException]:
+    def exception(self) -> BaseException | None:
         """The error the op ended with (a timeout included), or None; None while in flight."""
 
-    def _gave_up(self, seq: Optional[int], waited: float) -> TimeoutError:
+    def _gave_up(self, seq: int | None, waited: float) -> TimeoutError:
         number = "" if seq is None else f" #{seq}"
         return TimeoutError(
             f"wait() on {self.op}{number} gave up after {waited:.3g} s; the op is still in flight "
@@ -253,7 +255,7 @@ def backend_options(kind: type, deadline: float, now: float, fields: tuple[tuple
     else:
         budget = deadline - now
         grace = 0.1 * budget
-        grace = 0.1 if grace < 0.1 else (1.0 if grace > 1.0 else grace)
+        grace = 0.1 if grace < 0.1 else (min(grace, 1.0))
         ms = math.ceil((budget + grace) * (1000 / _OPTIONS_STEP_MS)) * _OPTIONS_STEP_MS
     key: Any = (kind, ms, fields)
     try:
@@ -271,7 +273,7 @@ def backend_options(kind: type, deadline: float, now: float, fields: tuple[tuple
     return opts
 
 
-def fail(err: BaseException, cause: Optional[BaseException] = None) -> NoReturn:
+def fail(err: BaseException, cause: BaseException | None = None) -> NoReturn:
     """Runs the timeout handler for a timeout, then raises ``err``.
 
     No frame on the way up may keep the error in a local variable: the error's traceback refers

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastdist", description="Real deadlines for torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -14,7 +14,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     demo_parser = sub.add_parser("demo", help="run a local multi-rank gloo job in which one rank hangs")
     demo.add_arguments(demo_parser)
-    doctor_parser = sub.add_parser("doctor", help="check whether this machine can join a job, and say what to fix")
+    doctor_parser = sub.add_parser(
+        "doctor", help="check whether this machine can join a job, and say what to fix"
+    )
     doctor.add_arguments(doctor_parser)
 
     args = parser.parse_args(argv)

@@ -13,7 +13,7 @@ the op was issued, and it is watched even if nobody waits on it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,15 +36,31 @@ from ._work import Work, backend_options, fail, wait_until
 from .errors import CollectiveTimeoutError
 
 __all__ = [
-    "Work", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single",
-    "barrier", "batch_isend_irecv", "broadcast", "gather", "irecv", "isend", "recv", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "wait",
+    "Work",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "gather",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+    "wait",
 ]
 
 _monotonic = _core.monotonic
 
 
-def _result(work: Any, async_op: bool) -> Optional[Work]:
+def _result(work: Any, async_op: bool) -> Work | None:
     return work if async_op else None
 
 
@@ -64,12 +80,21 @@ def wait(work: Any, timeout: TimeoutLike = None) -> Any:
     finished, _token, has_future = wait_until(work, deadline)
     if finished:
         return work.wait() if has_future else True  # a Future: its value (or its error, raised)
-    fail(CollectiveTimeoutError(
-        op="wait", seq=None, rank=dist.get_rank() if dist.is_initialized() else -1,
-        world_size=dist.get_world_size() if dist.is_initialized() else -1, group="?", timeout=deadline - start,
-        elapsed=current_time() - start, missing_ranks=None, desynced=None, last_seen=None, cause=None,
-    ))
-
+    fail(
+        CollectiveTimeoutError(
+            op="wait",
+            seq=None,
+            rank=dist.get_rank() if dist.is_initialized() else -1,
+            world_size=dist.get_world_size() if dist.is_initialized() else -1,
+            group="?",
+            timeout=deadline - start,
+            elapsed=current_time() - start,
+            missing_ranks=None,
+            desynced=None,
+            last_seen=None,
+            cause=None,
+        )
+    )
 
 
 def barrier(group: Any = None, *, timeout: TimeoutLike = None, raise_on_timeout: bool = True) -> bool:
@@ -102,7 +127,14 @@ def _issue_barrier(pg: Any, opts: Any) -> Any:
     return pg.barrier(opts)
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.all_gather`` with a deadline: fills ``tensor_list`` (one tensor per
     rank, in rank order) with every rank's ``tensor``, or raises
     :class:`CollectiveTimeoutError` at the deadline.
@@ -132,14 +164,32 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
 
     def issue(pg: Any, opts: Any) -> Any:
         if len(tensor_list) != pg.size():
-            raise ValueError(f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got {len(tensor_list)}")
+            raise ValueError(
+                f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got {len(tensor_list)}"
+            )
         return pg.allgather([tensor_list], [tensor], opts)
 
-    work = _issue.run("all_gather", group, start, deadline, issue, AllgatherOptions, lambda: _args.sig(tensor, tensor_list), async_op)
+    work = _issue.run(
+        "all_gather",
+        group,
+        start,
+        deadline,
+        issue,
+        AllgatherOptions,
+        lambda: _args.sig(tensor, tensor_list),
+        async_op,
+    )
     return work if async_op else None
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.all_reduce`` with a deadline."""
     start = _monotonic()
     deadline = effective_deadline(timeout, start)
@@ -152,11 +202,29 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, 
     def issue(pg: Any, opts: Any) -> Any:
         return pg.allreduce([t], opts)
 
-    work = _issue.run("all_reduce", group, start, deadline, issue, AllreduceOptions, lambda: f"{_args.sig(tensor)}, {op}", async_op, (("reduceOp", op),))
+    work = _issue.run(
+        "all_reduce",
+        group,
+        start,
+        deadline,
+        issue,
+        AllreduceOptions,
+        lambda: f"{_args.sig(tensor)}, {op}",
+        async_op,
+        (("reduceOp", op),),
+    )
     return work if async_op else None
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.reduce`` with a deadline (``dst`` is a global rank)."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
@@ -166,13 +234,32 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = 
     t = _args.real(tensor)
 
     def issue(pg: Any, opts: Any) -> Any:
-        opts = backend_options(ReduceOptions, deadline, current_time(), (("reduceOp", op), ("rootRank", _args.group_rank(pg, dst, "dst")), ("rootTensor", 0)))
+        opts = backend_options(
+            ReduceOptions,
+            deadline,
+            current_time(),
+            (("reduceOp", op), ("rootRank", _args.group_rank(pg, dst, "dst")), ("rootTensor", 0)),
+        )
         return pg.reduce([t], opts)
 
-    return _result(_issue.run("reduce", group, start, deadline, issue, None, lambda: f"{_args.sig(tensor)}, dst={dst}, {op}", async_op), async_op)
+    return _result(
+        _issue.run(
+            "reduce",
+            group,
+            start,
+            deadline,
+            issue,
+            None,
+            lambda: f"{_args.sig(tensor)}, dst={dst}, {op}",
+            async_op,
+        ),
+        async_op,
+    )
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def broadcast(
+    tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None
+) -> Work | None:
     """``torch.distributed.broadcast`` with a deadline (``src`` is a global rank)."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
@@ -182,13 +269,37 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
     t = _args.real(tensor)
 
     def issue(pg: Any, opts: Any) -> Any:
-        opts = backend_options(BroadcastOptions, deadline, current_time(), (("rootRank", _args.group_rank(pg, src, "src")), ("rootTensor", 0)))
+        opts = backend_options(
+            BroadcastOptions,
+            deadline,
+            current_time(),
+            (("rootRank", _args.group_rank(pg, src, "src")), ("rootTensor", 0)),
+        )
         return pg.broadcast([t], opts)
 
-    return _result(_issue.run("broadcast", group, start, deadline, issue, None, lambda: f"{_args.sig(tensor)}, src={src}", async_op), async_op)
+    return _result(
+        _issue.run(
+            "broadcast",
+            group,
+            start,
+            deadline,
+            issue,
+            None,
+            lambda: f"{_args.sig(tensor)}, src={src}",
+            async_op,
+        ),
+        async_op,
+    )
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.all_gather_into_tensor`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
@@ -200,10 +311,30 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     def issue(pg: Any, opts: Any) -> Any:
         return pg._allgather_base(out, inp, opts)
 
-    return _result(_issue.run("all_gather_into_tensor", group, start, deadline, issue, AllgatherOptions, lambda: _args.sig(output_tensor, input_tensor), async_op), async_op)
+    return _result(
+        _issue.run(
+            "all_gather_into_tensor",
+            group,
+            start,
+            deadline,
+            issue,
+            AllgatherOptions,
+            lambda: _args.sig(output_tensor, input_tensor),
+            async_op,
+        ),
+        async_op,
+    )
 
 
-def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.reduce_scatter`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
@@ -214,10 +345,31 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     def issue(pg: Any, opts: Any) -> Any:
         return pg.reduce_scatter([output], [input_list], opts)
 
-    return _result(_issue.run("reduce_scatter", group, start, deadline, issue, ReduceScatterOptions, lambda: f"{_args.sig(output, input_list)}, {op}", async_op, (("reduceOp", op),)), async_op)
+    return _result(
+        _issue.run(
+            "reduce_scatter",
+            group,
+            start,
+            deadline,
+            issue,
+            ReduceScatterOptions,
+            lambda: f"{_args.sig(output, input_list)}, {op}",
+            async_op,
+            (("reduceOp", op),),
+        ),
+        async_op,
+    )
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.reduce_scatter_tensor`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
@@ -228,35 +380,84 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     def issue(pg: Any, opts: Any) -> Any:
         return pg._reduce_scatter_base(output, input, opts)
 
-    return _result(_issue.run("reduce_scatter_tensor", group, start, deadline, issue, ReduceScatterOptions, lambda: f"{_args.sig(output, input)}, {op}", async_op, (("reduceOp", op),)), async_op)
+    return _result(
+        _issue.run(
+            "reduce_scatter_tensor",
+            group,
+            start,
+            deadline,
+            issue,
+            ReduceScatterOptions,
+            lambda: f"{_args.sig(output, input)}, {op}",
+            async_op,
+            (("reduceOp", op),),
+        ),
+        async_op,
+    )
 
 
-def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]] = None, dst: int = 0, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.gather`` with a deadline (``dst`` is a global rank; ``gather_list``
     only on ``dst``)."""
-    return _rooted("gather", GatherOptions, tensor, gather_list, dst, ("dst", "gather_list"), group, async_op, timeout,
-                   lambda pg, t, lst, opts: pg.gather(lst, [t], opts))
+    return _rooted(
+        "gather",
+        GatherOptions,
+        tensor,
+        gather_list,
+        dst,
+        ("dst", "gather_list"),
+        group,
+        async_op,
+        timeout,
+        lambda pg, t, lst, opts: pg.gather(lst, [t], opts),
+    )
 
 
-def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]] = None, src: int = 0, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.scatter`` with a deadline (``src`` is a global rank;
     ``scatter_list`` only on ``src``)."""
-    return _rooted("scatter", ScatterOptions, tensor, scatter_list, src, ("src", "scatter_list"), group, async_op, timeout,
-                   lambda pg, t, lst, opts: pg.scatter([t], lst, opts))
+    return _rooted(
+        "scatter",
+        ScatterOptions,
+        tensor,
+        scatter_list,
+        src,
+        ("src", "scatter_list"),
+        group,
+        async_op,
+        timeout,
+        lambda pg, t, lst, opts: pg.scatter([t], lst, opts),
+    )
 
 
 def _rooted(
     op: str,
     kind: type,
     tensor: torch.Tensor,
-    tensors: Optional[list[torch.Tensor]],
+    tensors: list[torch.Tensor] | None,
     root: int,
     names: tuple[str, str],
     group: Any,
     async_op: bool,
     timeout: TimeoutLike,
     call: Callable[[Any, torch.Tensor, list[list[torch.Tensor]], Any], Any],
-) -> Optional[Work]:
+) -> Work | None:
     """gather and scatter: one tensor per rank in a list that only the root rank gives."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
@@ -273,13 +474,34 @@ def _rooted(
         if pg.rank() != root_rank:
             return call(pg, tensor, [], opts)
         if tensors is None or len(tensors) != pg.size():
-            raise ValueError(f"{list_name} must hold one tensor per rank of the group ({pg.size()}) on {root_name}")
+            raise ValueError(
+                f"{list_name} must hold one tensor per rank of the group ({pg.size()}) on {root_name}"
+            )
         return call(pg, tensor, [tensors], opts)
 
-    return _result(_issue.run(op, group, start, deadline, issue, None, lambda: f"{_args.sig(tensor)}, {root_name}={root}", async_op), async_op)
+    return _result(
+        _issue.run(
+            op,
+            group,
+            start,
+            deadline,
+            issue,
+            None,
+            lambda: f"{_args.sig(tensor)}, {root_name}={root}",
+            async_op,
+        ),
+        async_op,
+    )
 
 
-def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def all_to_all(
+    output_tensor_list: list[torch.Tensor],
+    input_tensor_list: list[torch.Tensor],
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.all_to_all`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
@@ -290,10 +512,31 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     def issue(pg: Any, opts: Any) -> Any:
         return pg.alltoall(output_tensor_list, input_tensor_list, opts)
 
-    return _result(_issue.run("all_to_all", group, start, deadline, issue, AllToAllOptions, lambda: _args.sig(output_tensor_list, input_tensor_list), async_op), async_op)
+    return _result(
+        _issue.run(
+            "all_to_all",
+            group,
+            start,
+            deadline,
+            issue,
+            AllToAllOptions,
+            lambda: _args.sig(output_tensor_list, input_tensor_list),
+            async_op,
+        ),
+        async_op,
+    )
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[list[int]] = None, input_split_sizes: Optional[list[int]] = None, group: Any = None, async_op: bool = False, *, timeout: TimeoutLike = None) -> Optional[Work]:
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work | None:
     """``torch.distributed.all_to_all_single`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
@@ -306,7 +549,19 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     def issue(pg: Any, opts: Any) -> Any:
         return pg.alltoall_base(_args.real(output), _args.real(input), out_splits, in_splits, opts)
 
-    return _result(_issue.run("all_to_all_single", group, start, deadline, issue, AllToAllOptions, lambda: f"{_args.sig(output, input)}, {out_splits}, {in_splits}", async_op), async_op)
+    return _result(
+        _issue.run(
+            "all_to_all_single",
+            group,
+            start,
+            deadline,
+            issue,
+            AllToAllOptions,
+            lambda: f"{_args.sig(output, input)}, {out_splits}, {in_splits}",
+            async_op,
+        ),
+        async_op,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +569,15 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 # on with torch's own bounded wait, and a timed-out one leaves the group dead.
 
 
-def _p2p(op: str, tensor: torch.Tensor, peer: Optional[int], group: Any, tag: int, timeout: TimeoutLike, async_op: bool) -> Any:
+def _p2p(
+    op: str,
+    tensor: torch.Tensor,
+    peer: int | None,
+    group: Any,
+    tag: int,
+    timeout: TimeoutLike,
+    async_op: bool,
+) -> Any:
     start = current_time()
     deadline = effective_deadline(timeout, start)
     _args.check_tensor(tensor, "tensor")
@@ -336,7 +599,16 @@ def _p2p(op: str, tensor: torch.Tensor, peer: Optional[int], group: Any, tag: in
             return w
         return pg.recv([t], _args.group_rank(pg, peer, name), tag)
 
-    work = _issue.run(op, group, start, deadline, issue, None, lambda: f"{_args.sig(tensor)}, {name}={peer}, tag={tag}", async_op)
+    work = _issue.run(
+        op,
+        group,
+        start,
+        deadline,
+        issue,
+        None,
+        lambda: f"{_args.sig(tensor)}, {name}={peer}, tag={tag}",
+        async_op,
+    )
     if async_op or work is None:
         return work
     if op == "recv":
@@ -349,22 +621,40 @@ def _p2p(op: str, tensor: torch.Tensor, peer: Optional[int], group: Any, tag: in
     return None
 
 
-def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None) -> None:
+def send(
+    tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None
+) -> None:
     """``torch.distributed.send`` with a deadline."""
     _p2p("send", tensor, dst, group, tag, timeout, False)
 
 
-def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None) -> int:
+def recv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: Any = None,
+    tag: int = 0,
+    *,
+    timeout: TimeoutLike = None,
+) -> int:
     """``torch.distributed.recv`` with a deadline; returns the sender's rank."""
     return int(_p2p("recv", tensor, src, group, tag, timeout, False))
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None) -> Work:
+def isend(
+    tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None
+) -> Work:
     """``torch.distributed.isend`` with a deadline; returns a :class:`Work`."""
     return _p2p("isend", tensor, dst, group, tag, timeout, True)  # type: ignore[no-any-return]
 
 
-def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None, tag: int = 0, *, timeout: TimeoutLike = None) -> Work:
+def irecv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: Any = None,
+    tag: int = 0,
+    *,
+    timeout: TimeoutLike = None,
+) -> Work:
     """``torch.distributed.irecv`` with a deadline; returns a :class:`Work`."""
     return _p2p("irecv", tensor, src, group, tag, timeout, True)  # type: ignore[no-any-return]
 
@@ -386,4 +676,3 @@ def batch_isend_irecv(p2p_op_list: list[Any], *, timeout: TimeoutLike = None) ->
         peer = getattr(p, "group_peer", None) if getattr(p, "peer", None) is None else p.peer
         works.append(_p2p(fn, p.tensor, peer, p.group, p.tag, scope, True))
     return works
-

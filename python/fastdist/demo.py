@@ -23,7 +23,12 @@ _PREFIX = "fastdist_demo"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=3, help="number of local ranks (default 3)")
-    parser.add_argument("--timeout", type=float, default=2.0, help="deadline of the collective that hangs, seconds (default 2)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=2.0,
+        help="deadline of the collective that hangs, seconds (default 2)",
+    )
     parser.add_argument("--hang-rank", type=int, default=None, help="the rank that hangs (default: the last)")
     parser.add_argument("--rounds", type=int, default=3, help="healthy rounds before the hang (default 3)")
 
@@ -40,18 +45,35 @@ def run(args: argparse.Namespace) -> int:
 
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, args.nproc + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    print(f"fastdist demo: {args.nproc} ranks on gloo, TCPStore on 127.0.0.1:{store.port}; "
-          f"rank {hang} will hang, timeout {args.timeout:g} s", flush=True)
+    store = TCPStore(
+        "127.0.0.1", 0, args.nproc + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    print(
+        f"fastdist demo: {args.nproc} ranks on gloo, TCPStore on 127.0.0.1:{store.port}; "
+        f"rank {hang} will hang, timeout {args.timeout:g} s",
+        flush=True,
+    )
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(args.nproc):
-            cmd = [sys.executable, "-m", "fastdist.demo", str(rank), str(args.nproc), str(store.port),
-                   str(args.timeout), str(hang), str(args.rounds)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "fastdist.demo",
+                str(rank),
+                str(args.nproc),
+                str(store.port),
+                str(args.timeout),
+                str(hang),
+                str(args.rounds),
+            ]
             procs.append(subprocess.Popen(cmd))
         waiting = [r for r in range(args.nproc) if r != hang]
         # Every rank imports torch (~1 s each on a small machine) before the clock starts.
-        store.wait([f"{_PREFIX}/result/{r}" for r in waiting], timedelta(seconds=60 + 4 * args.nproc + 2 * args.timeout))
+        store.wait(
+            [f"{_PREFIX}/result/{r}" for r in waiting],
+            timedelta(seconds=60 + 4 * args.nproc + 2 * args.timeout),
+        )
         results = {r: json.loads(store.get(f"{_PREFIX}/result/{r}")) for r in waiting}
         store.set(f"{_PREFIX}/release", "1")
         for p in procs:
@@ -76,9 +98,12 @@ def _summarize(results: dict[int, dict[str, Any]], hang: int, timeout: float) ->
             print(f"{rank:>4}  {res['outcome']:<24}")
             ok = False
     print(f"{hang:>4}  hung (never entered the barrier)")
-    print("\nEvery waiting rank got a typed, catchable error at its deadline instead of hanging, naming the"
-          "\nmissing rank. The report waits min(1 s, 10% of the timeout) for the missing rank's status."
-          if ok else "\nUNEXPECTED: not every waiting rank detected the hang in time.")
+    print(
+        "\nEvery waiting rank got a typed, catchable error at its deadline instead of hanging, naming the"
+        "\nmissing rank. The report waits min(1 s, 10% of the timeout) for the missing rank's status."
+        if ok
+        else "\nUNEXPECTED: not every waiting rank detected the hang in time."
+    )
     return 0 if ok else 1
 
 
@@ -92,7 +117,9 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, hang: int,
         print(f"[rank {rank}] {text}", flush=True)
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"{_PREFIX}/pg", store), rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"{_PREFIX}/pg", store), rank=rank, world_size=world_size
+    )
     for i in range(rounds):
         fastdist.barrier(timeout=30)
         out = [torch.zeros(1) for _ in range(world_size)]

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from . import _keys
 
@@ -29,15 +29,17 @@ logger = logging.getLogger(__name__)
 
 # Where the job's store lives, for messages when it is gone: "HOST:PORT (in rank 0)" (set by
 # fastdist.init_process_group), and what the last failed store operation said.
-store_location: Optional[str] = None
-store_failure: Optional[str] = None
+store_location: str | None = None
+store_failure: str | None = None
 
 
 def store_gone_reason() -> str:
     """Says that the job's store is unreachable, and where it was."""
     where = f" at {store_location}" if store_location else ""
-    return (f"the job's store{where} cannot be reached ({store_failure or 'connection lost'}): its host exited or "
-            "was killed, and reports and recovery go through it; restart the job")
+    return (
+        f"the job's store{where} cannot be reached ({store_failure or 'connection lost'}): its host exited or "
+        "was killed, and reports and recovery go through it; restart the job"
+    )
 
 
 MAX_WINDOW_SECONDS = 1.0
@@ -47,17 +49,19 @@ _POLL_SECONDS = 0.005
 
 @dataclass
 class Report:
-    missing: list[int] = field(default_factory=list)    # global ranks that never reported
+    missing: list[int] = field(default_factory=list)  # global ranks that never reported
     desynced: dict[int, str] = field(default_factory=dict)  # global rank -> "op #seq"
     timed_out: list[int] = field(default_factory=list)  # global ranks whose own deadline passed
-    first_timeout_wall: Optional[float] = None  # time.time() of the earliest of those timeouts
+    first_timeout_wall: float | None = None  # time.time() of the earliest of those timeouts
 
 
 def window(budget: float) -> float:
     return min(MAX_WINDOW_SECONDS, WINDOW_FRACTION * max(budget, 0.0))
 
 
-def report(st: Any, op: str, seq: int, state: str, budget: float, until: Optional[float] = None) -> Optional[Report]:
+def report(
+    st: Any, op: str, seq: int, state: str, budget: float, until: float | None = None
+) -> Report | None:
     """Publishes this rank's status (``state``: ``"timed_out"`` or ``"aborted"``) and collects the
     group's, for the window after now, or after ``until`` (a ``time.monotonic()`` value) when
     given. ``None`` when the group has no store or the store cannot be reached.
@@ -86,7 +90,9 @@ def report(st: Any, op: str, seq: int, state: str, budget: float, until: Optiona
     except Exception as exc:  # a dead store must not turn a timeout into another failure
         global store_failure
         store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        logger.warning("rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, store_failure)
+        logger.warning(
+            "rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, store_failure
+        )
         return None
     out = Report()
     for r in range(st.size):
@@ -104,16 +110,24 @@ def report(st: Any, op: str, seq: int, state: str, budget: float, until: Optiona
     return out
 
 
-def peer_closed_verdict(rep: Optional[Report], started_wall: float) -> tuple[Optional[str], str]:
+def peer_closed_verdict(rep: Report | None, started_wall: float) -> tuple[str | None, str]:
     """What a report says about a group a peer closed under this rank's op (started at
     ``started_wall``, a time.time()): ``(cause, "")`` when a peer timed out while this rank was in
     the op (then this is a timeout too), else ``(None, why)``: this rank arrived after a peer had
     timed out and aborted (a straggler), or peers exited or were killed."""
-    if rep is not None and rep.timed_out and rep.first_timeout_wall is not None and rep.first_timeout_wall > started_wall:
+    if (
+        rep is not None
+        and rep.timed_out
+        and rep.first_timeout_wall is not None
+        and rep.first_timeout_wall > started_wall
+    ):
         return f"rank {min(rep.timed_out)} timed out first and closed the group", ""
     if rep is not None and rep.timed_out:
         return None, f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
     if rep is not None and rep.missing:
         many = len(rep.missing) > 1
-        return None, f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or {'were' if many else 'was'} killed"
+        return (
+            None,
+            f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or {'were' if many else 'was'} killed",
+        )
     return None, "a peer exited or was killed"

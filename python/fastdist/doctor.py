@@ -10,7 +10,6 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Optional
 
 from . import _keys, rendezvous
 
@@ -18,32 +17,52 @@ from . import _keys, rendezvous
 @dataclass
 class Check:
     name: str
-    ok: Optional[bool]  # None: information only, not needed to join
+    ok: bool | None  # None: information only, not needed to join
     detail: str
     fix: str = ""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="default: $MASTER_ADDR")
-    parser.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "0")) or None, help="default: $MASTER_PORT")
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "0")) or None, help="default: $WORLD_SIZE")
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=int(os.environ.get("MASTER_PORT", "0")) or None,
+        help="default: $MASTER_PORT",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "0")) or None,
+        help="default: $WORLD_SIZE",
+    )
     # Inside a torchrun worker the agent holds MASTER_PORT and every worker connects as a client:
     # rank 0 included, so the port must be listening, not free.
     in_worker = _keys.agent_hosts_store()
-    parser.add_argument("--rank", type=int, default=int(os.environ["RANK"]) if "RANK" in os.environ and not in_worker else None,
-                        help="this machine's rank; rank 0 needs the port free, the others need it listening (default: $RANK, "
-                             "else a worker; inside a torchrun worker, a client of the agent's store)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds for each network check (default 3)")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=int(os.environ["RANK"]) if "RANK" in os.environ and not in_worker else None,
+        help="this machine's rank; rank 0 needs the port free, the others need it listening (default: $RANK, "
+        "else a worker; inside a torchrun worker, a client of the agent's store)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds for each network check (default 3)"
+    )
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
 
 
-def run_checks(addr: str, port: int, world_size: Optional[int], rank: Optional[int], timeout: float) -> list[Check]:
+def run_checks(addr: str, port: int, world_size: int | None, rank: int | None, timeout: float) -> list[Check]:
     checks: list[Check] = []
     try:
         ip = rendezvous.resolve(addr, min(timeout, rendezvous.RESOLVE_TIMEOUT))
         checks.append(Check("resolve", True, f"{addr} -> {ip}"))
     except OSError as exc:
-        checks.append(Check("resolve", False, f"{addr}: {exc}", "check MASTER_ADDR for typos, and DNS or /etc/hosts here"))
+        checks.append(
+            Check(
+                "resolve", False, f"{addr}: {exc}", "check MASTER_ADDR for typos, and DNS or /etc/hosts here"
+            )
+        )
         return checks + _local_checks()
     cause, took = rendezvous.probe(ip, port, timeout)
     master = rank == 0
@@ -51,23 +70,47 @@ def run_checks(addr: str, port: int, world_size: Optional[int], rank: Optional[i
         try:
             in_use = cause is None or rendezvous.port_in_use(ip, port)
         except OSError as exc:  # not an address of this machine
-            checks.append(Check("port", False, f"rank 0 must run on {addr} itself, and {ip} is not an address here ({exc.strerror})",
-                                "run rank 0 on the machine MASTER_ADDR names"))
+            checks.append(
+                Check(
+                    "port",
+                    False,
+                    f"rank 0 must run on {addr} itself, and {ip} is not an address here ({exc.strerror})",
+                    "run rank 0 on the machine MASTER_ADDR names",
+                )
+            )
             return checks + _local_checks()
         if in_use:
             holder = rendezvous.port_holder(port)
-            checks.append(Check("port", False, f"{ip}:{port} is already in use{' by ' + holder if holder else ''}",
-                                "pick another MASTER_PORT, or stop the process holding it"))
+            checks.append(
+                Check(
+                    "port",
+                    False,
+                    f"{ip}:{port} is already in use{' by ' + holder if holder else ''}",
+                    "pick another MASTER_PORT, or stop the process holding it",
+                )
+            )
         else:
             checks.append(Check("port", True, f"{ip}:{port} is free for rank 0's store"))
         return checks + _local_checks()
     if cause == "refused":
-        checks.append(Check("port", False, f"nothing is listening on {ip}:{port}",
-                            "start rank 0 first, on that machine, with the same MASTER_PORT"))
+        checks.append(
+            Check(
+                "port",
+                False,
+                f"nothing is listening on {ip}:{port}",
+                "start rank 0 first, on that machine, with the same MASTER_PORT",
+            )
+        )
         return checks + _local_checks()
     if cause == "unreachable":
-        checks.append(Check("reach", False, f"no answer from {ip}:{port} within {timeout:g} s",
-                            "a firewall or a wrong network: check the route (nc -vz HOST PORT)"))
+        checks.append(
+            Check(
+                "reach",
+                False,
+                f"no answer from {ip}:{port} within {timeout:g} s",
+                "a firewall or a wrong network: check the route (nc -vz HOST PORT)",
+            )
+        )
         return checks + _local_checks()
     checks.append(Check("port", True, f"something is listening on {ip}:{port}"))
     checks.append(Check("reach", True, f"TCP connect in {took * 1000:.2f} ms"))
@@ -87,27 +130,46 @@ def _store_check(ip: str, port: int, timeout: float) -> Check:
         store.set(key, "1")
         store.get(key)
         store.delete_key(key)
-        return Check("store", True, f"connect + set/get/delete round trip in {(time.monotonic() - t0) * 1000:.2f} ms")
+        return Check(
+            "store", True, f"connect + set/get/delete round trip in {(time.monotonic() - t0) * 1000:.2f} ms"
+        )
     except Exception as exc:  # torch raises several kinds here
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return Check("store", False, f"the TCPStore at {ip}:{port} did not answer: {text}",
-                     "something else listens on that port, or the store is overloaded: check MASTER_PORT")
+        return Check(
+            "store",
+            False,
+            f"the TCPStore at {ip}:{port} did not answer: {text}",
+            "something else listens on that port, or the store is overloaded: check MASTER_PORT",
+        )
 
 
-def _version_check(ip: str, port: int, world_size: Optional[int], timeout: float) -> Check:
+def _version_check(ip: str, port: int, world_size: int | None, timeout: float) -> Check:
     from torch.distributed import TCPStore
 
     mine = rendezvous.versions()
     store = TCPStore(ip, port, None, False, timedelta(seconds=timeout))
     if not store.check([rendezvous.VERSION_KEY]):
-        return Check("versions", None, f"torch {mine['torch']}, fastdist {mine['fastdist']}, Python {mine['python']} "
-                                       "(rank 0 has published none to compare with)")
+        return Check(
+            "versions",
+            None,
+            f"torch {mine['torch']}, fastdist {mine['fastdist']}, Python {mine['python']} "
+            "(rank 0 has published none to compare with)",
+        )
     theirs = json.loads(store.get(rendezvous.VERSION_KEY))
-    diffs = [f"{k} {theirs.get(k)} there, {mine[k]} here" for k in ("torch", "fastdist") if theirs.get(k) != mine[k]]
+    diffs = [
+        f"{k} {theirs.get(k)} there, {mine[k]} here"
+        for k in ("torch", "fastdist")
+        if theirs.get(k) != mine[k]
+    ]
     if world_size is not None and theirs.get("world_size") not in (None, world_size):
         diffs.append(f"world size {theirs.get('world_size')} there, {world_size} here")
     if diffs:
-        return Check("versions", False, "; ".join(diffs), "install the same torch and fastdist everywhere, and one WORLD_SIZE")
+        return Check(
+            "versions",
+            False,
+            "; ".join(diffs),
+            "install the same torch and fastdist everywhere, and one WORLD_SIZE",
+        )
     return Check("versions", True, f"torch {mine['torch']}, fastdist {mine['fastdist']} match rank 0")
 
 
@@ -115,18 +177,32 @@ def _local_checks() -> list[Check]:
     import torch
     import torch.distributed as dist
 
-    out = [Check("gloo", dist.is_gloo_available() or None, "gloo is usable here" if dist.is_gloo_available() else "gloo is not built into this torch")]
+    out = [
+        Check(
+            "gloo",
+            dist.is_gloo_available() or None,
+            "gloo is usable here" if dist.is_gloo_available() else "gloo is not built into this torch",
+        )
+    ]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if dist.is_nccl_available() and gpus:
         out.append(Check("nccl", None, f"NCCL is usable here, with {gpus} GPU{'s' if gpus != 1 else ''}"))
     else:
-        out.append(Check("nccl", None, "NCCL is not usable here (" + ("no GPU" if not gpus else "torch built without NCCL") + ")"))
+        out.append(
+            Check(
+                "nccl",
+                None,
+                "NCCL is not usable here (" + ("no GPU" if not gpus else "torch built without NCCL") + ")",
+            )
+        )
     return out
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.master_addr or not args.master_port:
-        raise SystemExit("fastdist doctor: give --master-addr and --master-port (or set MASTER_ADDR and MASTER_PORT)")
+        raise SystemExit(
+            "fastdist doctor: give --master-addr and --master-port (or set MASTER_ADDR and MASTER_PORT)"
+        )
     checks = run_checks(args.master_addr, args.master_port, args.world_size, args.rank, args.timeout)
     healthy = all(c.ok is not False for c in checks)
     if args.json:

@@ -7,12 +7,13 @@ timeout error is also a builtin :class:`TimeoutError`, so ``except TimeoutError`
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 __all__ = [
-    "FastdistError",
-    "CollectiveTimeoutError",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "FastdistError",
     "GroupAbortedError",
     "RecoveryError",
     "RendezvousClosedError",
@@ -26,7 +27,7 @@ def _rebuild(cls: type[FastdistError], fields: dict[str, Any]) -> FastdistError:
     return cls(**fields)
 
 
-def _fmt_seconds(value: Optional[float]) -> str:
+def _fmt_seconds(value: float | None) -> str:
     if value is None:
         return "?"
     return f"{value:.3g} s" if value < 10 else f"{value:.1f} s"
@@ -84,29 +85,40 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
     """
 
     _fields = (
-        "op", "seq", "rank", "world_size", "group", "timeout", "elapsed", "missing_ranks",
-        "desynced", "last_seen", "cause",
+        "op",
+        "seq",
+        "rank",
+        "world_size",
+        "group",
+        "timeout",
+        "elapsed",
+        "missing_ranks",
+        "desynced",
+        "last_seen",
+        "cause",
     )
 
     op: str
-    seq: Optional[int]
+    seq: int | None
     rank: int
     world_size: int
     group: str
     timeout: float
     elapsed: float
-    missing_ranks: Optional[list[int]]
-    desynced: Optional[dict[int, str]]
-    last_seen: Optional[str]
-    cause: Optional[str]
+    missing_ranks: list[int] | None
+    desynced: dict[int, str] | None
+    last_seen: str | None
+    cause: str | None
 
     def _message(self) -> str:
         what = self.op if self.seq is None else f"{self.op} #{self.seq}"
         if self.timeout is not None and self.timeout <= 0:
             # The call came after its deadline (a scope's budget spent by earlier work): it was
             # not issued on this rank.
-            text = (f"{what} on group {self.group!r} was not issued on rank {self.rank}: its deadline had passed "
-                    f"{_fmt_seconds(-self.timeout)} before the call")
+            text = (
+                f"{what} on group {self.group!r} was not issued on rank {self.rank}: its deadline had passed "
+                f"{_fmt_seconds(-self.timeout)} before the call"
+            )
         else:
             text = f"{what} on group {self.group!r} timed out after {_fmt_seconds(self.timeout)} on rank {self.rank}"
         parts = []
@@ -189,11 +201,13 @@ class RendezvousConnectionError(FastdistError, ConnectionError):
     port: int
     attempts: int
     elapsed: float
-    detail: Optional[str]
+    detail: str | None
 
     def _message(self) -> str:
         text = f"rendezvous with {self.address}:{self.port} failed ({self.cause}"
-        text += f", {self.attempts} attempt{'s' if self.attempts != 1 else ''} in {_fmt_seconds(self.elapsed)})"
+        text += (
+            f", {self.attempts} attempt{'s' if self.attempts != 1 else ''} in {_fmt_seconds(self.elapsed)})"
+        )
         if self.detail:
             text += f": {self.detail}"
         advice = _CONNECT_ADVICE.get(self.cause)
@@ -243,7 +257,7 @@ class RecoveryError(FastdistError):
     rank: int
     generation: int
     reason: str
-    missing_ranks: Optional[list[int]]
+    missing_ranks: list[int] | None
 
     def _message(self) -> str:
         text = f"recovering group {self.group!r} (generation {self.generation}) failed on rank {self.rank}: {self.reason}"

@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["Fault", "KINDS", "inject"]
+__all__ = ["KINDS", "Fault", "inject"]
 
 KINDS = ("hang", "sigstop", "sigkill", "exit", "wrong_collective")
 
@@ -34,7 +34,7 @@ class Fault:
     kind: str
     rank: int
     step: int
-    seconds: Optional[float] = None  # for "hang": how long; None = forever
+    seconds: float | None = None  # for "hang": how long; None = forever
     exit_code: int = 0  # for "exit"
 
     def __post_init__(self) -> None:
@@ -48,7 +48,7 @@ class Fault:
             raise ValueError(f"seconds must be positive or None, got {self.seconds!r}")
 
 
-def inject(faults: Iterable[Fault], step: int, rank: Optional[int] = None) -> Optional[str]:
+def inject(faults: Iterable[Fault], step: int, rank: int | None = None) -> str | None:
     """Carries out the fault scheduled for this rank (default: ``dist.get_rank()``) at ``step``.
     Returns ``"wrong_collective"`` when the caller should make a different collective, else
     None (also after a ``hang`` with ``seconds`` ends)."""

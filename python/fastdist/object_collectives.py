@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import ctypes
 import pickle
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from . import _groups
-from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline
 from ._args import check_rank as _check_rank
+from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline
 from .collectives import all_gather, broadcast, gather, scatter
 
-__all__ = ["all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"]
+__all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
 
 
 def _to_bytes_tensor(obj: Any) -> torch.Tensor:
@@ -45,7 +45,9 @@ def _scope(timeout: TimeoutLike) -> DeadlineScope:
     return DeadlineScope(effective_deadline(timeout, current_time()))
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group: Any = None, *, timeout: TimeoutLike = None) -> None:
+def all_gather_object(
+    object_list: list[Any], obj: Any, group: Any = None, *, timeout: TimeoutLike = None
+) -> None:
     """``torch.distributed.all_gather_object`` with one deadline for the whole exchange:
     ``object_list[i]`` becomes rank i's ``obj``."""
     scope = _scope(timeout)
@@ -55,7 +57,9 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None, *, ti
         return
     ws = pg.size()
     if len(object_list) != ws:
-        raise ValueError(f"object_list must have one slot per rank of the group ({ws}), got {len(object_list)}")
+        raise ValueError(
+            f"object_list must have one slot per rank of the group ({ws}), got {len(object_list)}"
+        )
     data = _to_bytes_tensor(obj)
     sizes = [torch.zeros(1, dtype=torch.long) for _ in range(ws)]
     all_gather(sizes, torch.tensor([data.numel()], dtype=torch.long), group, timeout=scope)
@@ -66,7 +70,14 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None, *, ti
         object_list[i] = _from_bytes_tensor(out[i], int(sizes[i].item()))
 
 
-def gather_object(obj: Any, object_gather_list: Optional[list[Any]] = None, dst: int = 0, group: Any = None, *, timeout: TimeoutLike = None) -> None:
+def gather_object(
+    obj: Any,
+    object_gather_list: list[Any] | None = None,
+    dst: int = 0,
+    group: Any = None,
+    *,
+    timeout: TimeoutLike = None,
+) -> None:
     """``torch.distributed.gather_object`` with one deadline: on ``dst`` (a global rank),
     ``object_gather_list[i]`` becomes rank i's ``obj``."""
     scope = _scope(timeout)
@@ -93,7 +104,9 @@ def gather_object(obj: Any, object_gather_list: Optional[list[Any]] = None, dst:
             object_gather_list[i] = _from_bytes_tensor(out[i], int(sizes[i].item()))
 
 
-def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = None, *, timeout: TimeoutLike = None) -> None:
+def broadcast_object_list(
+    object_list: list[Any], src: int = 0, group: Any = None, *, timeout: TimeoutLike = None
+) -> None:
     """``torch.distributed.broadcast_object_list`` with one deadline: every rank's
     ``object_list`` (of the same length everywhere) becomes ``src``'s."""
     scope = _scope(timeout)
@@ -119,7 +132,14 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = Non
             offset += n
 
 
-def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: Optional[list[Any]] = None, src: int = 0, group: Any = None, *, timeout: TimeoutLike = None) -> None:
+def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: list[Any] | None = None,
+    src: int = 0,
+    group: Any = None,
+    *,
+    timeout: TimeoutLike = None,
+) -> None:
     """``torch.distributed.scatter_object_list`` with one deadline: rank i's
     ``scatter_object_output_list[0]`` becomes ``scatter_object_input_list[i]`` of ``src``."""
     scope = _scope(timeout)
@@ -134,7 +154,9 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     is_src = _groups.state_of(pg).my_global_rank == src
     if is_src:
         if scatter_object_input_list is None or len(scatter_object_input_list) != ws:
-            raise ValueError(f"scatter_object_input_list must hold one object per rank of the group ({ws}) on src")
+            raise ValueError(
+                f"scatter_object_input_list must hold one object per rank of the group ({ws}) on src"
+            )
         parts = [_to_bytes_tensor(o) for o in scatter_object_input_list]
         longest = torch.tensor([max(p.numel() for p in parts)], dtype=torch.long)
     else:
@@ -142,7 +164,13 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     broadcast(longest, src, group, timeout=scope)
     n = int(longest.item())
     my_size = torch.zeros(1, dtype=torch.long)
-    scatter(my_size, [torch.tensor([p.numel()], dtype=torch.long) for p in parts] if is_src else None, src, group, timeout=scope)
+    scatter(
+        my_size,
+        [torch.tensor([p.numel()], dtype=torch.long) for p in parts] if is_src else None,
+        src,
+        group,
+        timeout=scope,
+    )
     mine = torch.empty(n, dtype=torch.uint8)
     scatter(mine, [_padded(p, n) for p in parts] if is_src else None, src, group, timeout=scope)
     scatter_object_output_list[0] = _from_bytes_tensor(mine, int(my_size.item()))

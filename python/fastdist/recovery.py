@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -38,17 +38,17 @@ _lineage: dict[str, Any] = {"backend": None, "timeout": None, "root": None}
 
 
 def init_process_group(
-    backend: Optional[str] = None,
-    init_method: Optional[str] = None,
+    backend: str | None = None,
+    init_method: str | None = None,
     *,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
-    store: Optional[Any] = None,
-    timeout: Optional[Any] = None,
-    connect_timeout: Optional[Any] = None,
-    retries: Optional[int] = 3,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: Any | None = None,
+    timeout: Any | None = None,
+    connect_timeout: Any | None = None,
+    retries: int | None = 3,
     backoff: float = 0.5,
-    rendezvous_timeout: Optional[Any] = None,
+    rendezvous_timeout: Any | None = None,
     **kwargs: Any,
 ) -> None:
     """``torch.distributed.init_process_group`` (env:// as torchrun sets it, ``tcp://``,
@@ -82,15 +82,25 @@ def init_process_group(
     if target is not None:
         host, port = target
         rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
-        world_size = int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
+        world_size = (
+            int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
+        )
         if rank is None or world_size is None:
-            raise ValueError("rank and world_size are needed (as arguments, or RANK and WORLD_SIZE in the environment)")
+            raise ValueError(
+                "rank and world_size are needed (as arguments, or RANK and WORLD_SIZE in the environment)"
+            )
         # Under torchrun the agent hosts the store on MASTER_PORT: every worker is a client.
         agent = (init_method or "env://").startswith("env://") and _keys.agent_hosts_store()
         hosts_store = rank == 0 and not agent
         store = rdzv_mod.connect_store(
-            host, port, is_master=hosts_store, world_size=world_size, connect_timeout=connect, retries=retries,
-            backoff=backoff, store_timeout=td.total_seconds() if td is not None else 300.0,
+            host,
+            port,
+            is_master=hosts_store,
+            world_size=world_size,
+            connect_timeout=connect,
+            retries=retries,
+            backoff=backoff,
+            store_timeout=td.total_seconds() if td is not None else 300.0,
         )
         rdzv_mod.check_versions(store, rank, world_size, host, port, timeout=connect)
         init_method = None
@@ -104,20 +114,28 @@ def init_process_group(
         if store is None:
             raise ValueError("rendezvous_timeout needs env://, tcp:// or a store")
         rdzv_mod.rendezvous(
-            store, -1 if rank is None else rank, -1 if world_size is None else world_size, rdzv,
+            store,
+            -1 if rank is None else rank,
+            -1 if world_size is None else world_size,
+            rdzv,
             hosts_store=target is not None and hosts_store,
         )
     from . import _watch
 
     _watch.activate(None if td is None else td.total_seconds())
     dist.init_process_group(
-        backend=backend, init_method=init_method, timeout=td, store=store,
-        rank=-1 if rank is None else rank, world_size=-1 if world_size is None else world_size, **kwargs,
+        backend=backend,
+        init_method=init_method,
+        timeout=td,
+        store=store,
+        rank=-1 if rank is None else rank,
+        world_size=-1 if world_size is None else world_size,
+        **kwargs,
     )
     _lineage.update(backend=dist.get_backend(), timeout=td, root=dist.distributed_c10d._get_default_store())
 
 
-def _tcp_target(init_method: Optional[str], store: Optional[Any]) -> Optional[tuple[str, int]]:
+def _tcp_target(init_method: str | None, store: Any | None) -> tuple[str, int] | None:
     """(host, port) when fastdist should make the TCPStore connection itself."""
     if store is not None:
         return None
@@ -131,9 +149,11 @@ def _tcp_target(init_method: Optional[str], store: Optional[Any]) -> Optional[tu
         except KeyError as exc:
             raise ValueError(f"env:// needs {exc.args[0]} in the environment") from None
         except ValueError:
-            raise ValueError(f"MASTER_PORT must be a port number, got {os.environ['MASTER_PORT']!r}") from None
+            raise ValueError(
+                f"MASTER_PORT must be a port number, got {os.environ['MASTER_PORT']!r}"
+            ) from None
     if init_method.startswith("tcp://"):
-        hostport = init_method[len("tcp://"):].split("?", 1)[0].rstrip("/")
+        hostport = init_method[len("tcp://") :].split("?", 1)[0].rstrip("/")
         host, _, port = hostport.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"init_method must look like tcp://HOST:PORT, got {init_method!r}")
@@ -147,7 +167,7 @@ NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_ERROR_HANDLING_MODE = "2"
 
 
-def configure_nccl_error_handling(backend: Optional[str]) -> None:
+def configure_nccl_error_handling(backend: str | None) -> None:
     """Sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 for a backend that may be NCCL (``None`` lets torch
     pick NCCL on a GPU machine), so that torch's watchdog never kills a process after fastdist
     aborted a timed-out collective. A value the user set is kept, with a warning if it differs."""
@@ -217,19 +237,30 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     st = _groups.state_of(pg)
     is_default = dist.is_initialized() and pg is dist.distributed_c10d._get_default_group()
     if is_default and _lineage["root"] is None:
-        _lineage.update(backend=dist.get_backend(), timeout=None, root=dist.distributed_c10d._get_default_store())
+        _lineage.update(
+            backend=dist.get_backend(), timeout=None, root=dist.distributed_c10d._get_default_store()
+        )
     store = _lineage["root"] if is_default else st.store
     gen = st.generation + 1
     me = st.my_global_rank
     if store is None:
-        raise RecoveryError(group=st.name, rank=me, generation=gen, reason="the group has no store to agree through", missing_ranks=None)
+        raise RecoveryError(
+            group=st.name,
+            rank=me,
+            generation=gen,
+            reason="the group has no store to agree through",
+            missing_ranks=None,
+        )
 
     try:
         members = _agree(store, st, gen, deadline, allow_shrink)
     except (RuntimeError, ConnectionError) as exc:  # dist.DistError and its kin: the store is gone
-        diagnostics.store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RecoveryError(group=st.name, rank=me, generation=gen, missing_ranks=None,
-                            reason=diagnostics.store_gone_reason()) from None
+        diagnostics.store_failure = (
+            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        )
+        raise RecoveryError(
+            group=st.name, rank=me, generation=gen, missing_ranks=None, reason=diagnostics.store_gone_reason()
+        ) from None
     new_rank, new_size = members.index(me), len(members)
     _groups.next_generation(st.name)
     # The agreed generation is used up, whatever happens next: if a member vanishes while the
@@ -239,7 +270,10 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
         # Everyone came back: rebuild in place, under the same ProcessGroup objects that DDP,
         # FSDP2, DeviceMesh and user code hold.
         if not _polled.wait_aborts():
-            logger.warning("rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me)
+            logger.warning(
+                "rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway",
+                me,
+            )
         groups = _rebuild_in_place(pg, is_default, gen, deadline)
         _watch.reset_ddp(groups)
         _watch.reset_fsdp()
@@ -248,7 +282,9 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     if st.dead_reason is None:
         _groups.mark_dead(pg, "replaced by fastdist.recover()", level=logging.INFO)
     if not _polled.wait_aborts():
-        logger.warning("rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me)
+        logger.warning(
+            "rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me
+        )
     _groups.hold(pg)
     if is_default:
         old_groups = _watch.watched_groups() or [pg]
@@ -257,7 +293,9 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     else:
         new = dist.new_group(members, timeout=_lineage["timeout"], use_local_synchronization=True)
     _groups.release_finished()
-    logger.info("rank %d: group %r rebuilt as generation %d: rank %d of %d", me, st.name, gen, new_rank, new_size)
+    logger.info(
+        "rank %d: group %r rebuilt as generation %d: rank %d of %d", me, st.name, gen, new_rank, new_size
+    )
     return new
 
 
@@ -269,7 +307,10 @@ def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -
         latest = int(store.get(f"{key}/latest"))
         if latest >= gen:
             raise RecoveryError(
-                group=st.name, rank=me, generation=gen, missing_ranks=None,
+                group=st.name,
+                rank=me,
+                generation=gen,
+                missing_ranks=None,
                 reason=f"the other ranks already rebuilt the group as generation {latest} without this rank",
             )
     count_key = f"{key}/{gen}/count"
@@ -282,11 +323,20 @@ def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -
     if count < st.size and not allow_shrink:
         arrived = {int(store.get(f"{key}/{gen}/member/{i}")) for i in range(1, count + 1)}
         missing = [st.global_rank(r) for r in range(st.size) if st.global_rank(r) not in arrived]
-        raise RecoveryError(group=st.name, rank=me, generation=gen, reason="not every rank turned up before the deadline", missing_ranks=missing)
+        raise RecoveryError(
+            group=st.name,
+            rank=me,
+            generation=gen,
+            reason="not every rank turned up before the deadline",
+            missing_ranks=missing,
+        )
     final = int(store.compare_set(f"{key}/{gen}/final", "", str(min(count, st.size))))
     if n > final:
         raise RecoveryError(
-            group=st.name, rank=me, generation=gen, missing_ranks=None,
+            group=st.name,
+            rank=me,
+            generation=gen,
+            missing_ranks=None,
             reason="this rank turned up after the others had closed the new generation without it",
         )
     members = sorted(int(store.get(f"{key}/{gen}/member/{i}")) for i in range(1, final + 1))
@@ -329,8 +379,13 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
         for backend in _watch.backends_of(g):
             left = deadline - current_time()
             if left <= 0:
-                raise RecoveryError(group=gst.name, rank=gst.my_global_rank, generation=gen, missing_ranks=None,
-                                    reason="the deadline passed while the groups were rebuilt")
+                raise RecoveryError(
+                    group=gst.name,
+                    rank=gst.my_global_rank,
+                    generation=gen,
+                    missing_ranks=None,
+                    reason="the deadline passed while the groups were rebuilt",
+                )
             prefix = dist.PrefixStore(_keys.key(f"gen{gen}", gst.name, backend.name()) + "/", root)
             fresh = _fresh_backend(backend, prefix, min(left, 1e6), gst)
             backend.swap_inner(fresh)
@@ -370,11 +425,21 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: Any) -> Any:
             opts._timeout = td
             fresh = dist.ProcessGroupNCCL(store, old.rank(), old.size(), opts)
         else:
-            raise RecoveryError(group=st.name, rank=st.my_global_rank, generation=st.generation + 1, missing_ranks=None,
-                                reason=f"cannot rebuild a {name} backend in place")
+            raise RecoveryError(
+                group=st.name,
+                rank=st.my_global_rank,
+                generation=st.generation + 1,
+                missing_ranks=None,
+                reason=f"cannot rebuild a {name} backend in place",
+            )
     except RuntimeError as exc:  # a member vanished while the connections were made
-        raise RecoveryError(group=st.name, rank=st.my_global_rank, generation=st.generation + 1, missing_ranks=None,
-                            reason=f"rebuilding the connections failed: {str(exc).strip().splitlines()[0]}") from None
+        raise RecoveryError(
+            group=st.name,
+            rank=st.my_global_rank,
+            generation=st.generation + 1,
+            missing_ranks=None,
+            reason=f"rebuilding the connections failed: {str(exc).strip().splitlines()[0]}",
+        ) from None
     try:
         fresh._set_sequence_number_for_group()
     except (RuntimeError, AttributeError):
@@ -389,5 +454,7 @@ def _rebuild_default(gen: int, rank: int, world_size: int) -> Any:
     root = _lineage["root"]
     store = dist.PrefixStore(_keys.key(f"gen{gen}") + "/", root)
     kwargs = {} if _lineage["timeout"] is None else {"timeout": _lineage["timeout"]}
-    dist.init_process_group(backend=_lineage["backend"], store=store, rank=rank, world_size=world_size, **kwargs)
+    dist.init_process_group(
+        backend=_lineage["backend"], store=store, rank=rank, world_size=world_size, **kwargs
+    )
     return dist.distributed_c10d._get_default_group()

@@ -29,7 +29,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from . import _keys
 from ._timeouts import RendezvousTimeout, current_time, validate_seconds
@@ -74,7 +74,7 @@ def resolve(host: str, timeout: float = RESOLVE_TIMEOUT) -> str:
     return str(result[0])
 
 
-def port_holder(port: int) -> Optional[str]:
+def port_holder(port: int) -> str | None:
     """``"pid N (cmdline)"`` of a local process listening on ``port``, when /proc tells."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -113,7 +113,7 @@ def port_in_use(addr: str, port: int) -> bool:
     return False
 
 
-def probe(addr: str, port: int, timeout: float) -> tuple[Optional[str], float]:
+def probe(addr: str, port: int, timeout: float) -> tuple[str | None, float]:
     """One plain TCP connect: (None, seconds) if something accepted, else (cause, seconds) with
     cause ``"refused"`` or ``"unreachable"``."""
     t0 = time.monotonic()
@@ -139,9 +139,9 @@ def connect_store(
     port: int,
     *,
     is_master: bool,
-    world_size: Optional[int] = None,
+    world_size: int | None = None,
     connect_timeout: float = 60.0,
-    retries: Optional[int] = 3,
+    retries: int | None = 3,
     backoff: float = 0.5,
     store_timeout: float = 300.0,
 ) -> Any:
@@ -159,8 +159,15 @@ def connect_store(
     start = time.monotonic()
     deadline = start + budget
 
-    def fail(cause: str, attempts: int, detail: Optional[str] = None) -> RendezvousConnectionError:
-        return RendezvousConnectionError(cause=cause, address=host, port=port, attempts=attempts, elapsed=time.monotonic() - start, detail=detail)
+    def fail(cause: str, attempts: int, detail: str | None = None) -> RendezvousConnectionError:
+        return RendezvousConnectionError(
+            cause=cause,
+            address=host,
+            port=port,
+            attempts=attempts,
+            elapsed=time.monotonic() - start,
+            detail=detail,
+        )
 
     try:
         addr = resolve(host, min(RESOLVE_TIMEOUT, budget))
@@ -180,7 +187,9 @@ def connect_store(
         cause, took = probe(addr, port, min(left, 5.0))
         if cause is None:
             return TCPStore(addr, port, world_size, False, td)
-        logger.info("rendezvous: attempt %d to reach %s:%d: %s after %.3f s", attempt, host, port, cause, took)
+        logger.info(
+            "rendezvous: attempt %d to reach %s:%d: %s after %.3f s", attempt, host, port, cause, took
+        )
         left = deadline - time.monotonic()
         if left <= 0 or (retries is not None and attempt > retries):
             raise fail(cause, attempt)
@@ -200,12 +209,20 @@ def check_versions(store: Any, rank: int, world_size: int, host: str, port: int,
     for key in ("torch", "fastdist"):
         if theirs.get(key) != mine[key]:
             raise RendezvousConnectionError(
-                cause="version_mismatch", address=host, port=port, attempts=1, elapsed=time.monotonic() - t0,
+                cause="version_mismatch",
+                address=host,
+                port=port,
+                attempts=1,
+                elapsed=time.monotonic() - t0,
                 detail=f"rank 0 runs {key} {theirs.get(key)}, rank {rank} runs {mine[key]}",
             )
     if theirs.get("world_size") != world_size:
         raise RendezvousConnectionError(
-            cause="world_size_mismatch", address=host, port=port, attempts=1, elapsed=time.monotonic() - t0,
+            cause="world_size_mismatch",
+            address=host,
+            port=port,
+            attempts=1,
+            elapsed=time.monotonic() - t0,
             detail=f"rank 0 was started with world size {theirs.get('world_size')}, rank {rank} with {world_size}",
         )
 
@@ -214,7 +231,14 @@ def check_versions(store: Any, rank: int, world_size: int, host: str, port: int,
 # The rendezvous
 
 
-def rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, prefix: str = _keys.key("rdzv"), hosts_store: bool = False) -> None:
+def rendezvous(
+    store: Any,
+    rank: int,
+    world_size: int,
+    rdzv: RendezvousTimeout,
+    prefix: str = _keys.key("rdzv"),
+    hosts_store: bool = False,
+) -> None:
     """Every rank announces itself in ``store`` and waits for the others, within ``rdzv``:
 
     - the call closes ``rdzv`` if it is open, which starts its countdown of ``rdzv.timeout``
@@ -234,15 +258,25 @@ def rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, 
     except (RendezvousTimeoutError, RendezvousClosedError):
         raise
     except Exception as exc:  # the store went away: its host (rank 0) exited or crashed
-        if hosts_store or "DistNetworkError" not in type(exc).__name__ and "DistError" not in type(exc).__name__:
+        if (
+            hosts_store
+            or "DistNetworkError" not in type(exc).__name__
+            and "DistError" not in type(exc).__name__
+        ):
             raise
         raise RendezvousConnectionError(
-            cause="refused", address="the store", port=0, attempts=1, elapsed=0.0,
+            cause="refused",
+            address="the store",
+            port=0,
+            attempts=1,
+            elapsed=0.0,
             detail=f"rank 0's store went away during the rendezvous ({str(exc).strip().splitlines()[0]})",
         ) from None
 
 
-def _rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, prefix: str, hosts_store: bool) -> None:
+def _rendezvous(
+    store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout, prefix: str, hosts_store: bool
+) -> None:
     start = current_time()
     ends = rdzv.close() + (rdzv.last_call or 0.0)
     join_end = min(start + rdzv.join, ends) if rdzv.join is not None else ends
@@ -268,7 +302,13 @@ def _rendezvous(store: Any, rank: int, world_size: int, rdzv: RendezvousTimeout,
                 while read < joined and current_time() < end:
                     time.sleep(poll)
                     read = store.add(f"{prefix}/read", 0)
-            raise RendezvousTimeoutError(rank=rank, joined=joined, world_size=world_size, missing_ranks=missing, elapsed=current_time() - start)
+            raise RendezvousTimeoutError(
+                rank=rank,
+                joined=joined,
+                world_size=world_size,
+                missing_ranks=missing,
+                elapsed=current_time() - start,
+            )
         time.sleep(poll)
         count = store.add(count_key, 0)
     store.set(closed_key, "1")

@@ -23,7 +23,7 @@ import atexit
 import logging
 import math
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch.distributed.rpc as _rpc
 
@@ -31,7 +31,7 @@ from ._timeouts import TimeoutLike, current_time, effective_deadline, run_timeou
 from ._work import wait_until
 from .errors import RpcTimeoutError
 
-__all__ = ["init_rpc", "rpc_sync", "rpc_async", "remote", "shutdown", "RpcFuture", "RRef"]
+__all__ = ["RRef", "RpcFuture", "init_rpc", "remote", "rpc_async", "rpc_sync", "shutdown"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 _TORCH_GRACE = 0.05
 _TORCH_TIMEOUT_MARKER = "ran for more than set timeout"
 
-_default_timeout: Optional[float] = None
+_default_timeout: float | None = None
 
 
 def init_rpc(name: str, *, rank: int, world_size: int, rpc_timeout: float = 60.0, **options: Any) -> None:
@@ -56,9 +56,15 @@ def init_rpc(name: str, *, rank: int, world_size: int, rpc_timeout: float = 60.0
     if not rank < world_size:
         raise ValueError(f"rank must be less than world_size ({world_size}), got {rank}")
     seconds = validate_seconds(rpc_timeout, "rpc_timeout")
-    backend_options = _rpc.TensorPipeRpcBackendOptions(rpc_timeout=0 if math.isinf(seconds) else seconds, **options)
+    backend_options = _rpc.TensorPipeRpcBackendOptions(
+        rpc_timeout=0 if math.isinf(seconds) else seconds, **options
+    )
     _rpc.init_rpc(  # type: ignore[no-untyped-call]
-        name, backend=_rpc.BackendType.TENSORPIPE, rank=rank, world_size=world_size, rpc_backend_options=backend_options,  # type: ignore[attr-defined]
+        name,
+        backend=_rpc.BackendType.TENSORPIPE,  # type: ignore[attr-defined]
+        rank=rank,
+        world_size=world_size,
+        rpc_backend_options=backend_options,
     )
     _default_timeout = seconds
 
@@ -92,7 +98,9 @@ def _check_call(to: Any, func: Any, args: Any, kwargs: Any) -> None:
 
 
 def _timeout_error(to: Any, func: Any, start: float, deadline: float) -> RpcTimeoutError:
-    err = RpcTimeoutError(to=str(to), func=_func_name(func), timeout=deadline - start, elapsed=current_time() - start)
+    err = RpcTimeoutError(
+        to=str(to), func=_func_name(func), timeout=deadline - start, elapsed=current_time() - start
+    )
     run_timeout_handler(err)
     return err
 
@@ -130,7 +138,9 @@ class RpcFuture:
                 if _TORCH_TIMEOUT_MARKER not in str(exc):
                     raise
         if limit < self._deadline and current_time() < self._deadline:
-            raise TimeoutError(f"wait() on the RPC {_func_name(self._func)} to {self._to} gave up; the call's own deadline has not passed")
+            raise TimeoutError(
+                f"wait() on the RPC {_func_name(self._func)} to {self._to} gave up; the call's own deadline has not passed"
+            )
         _raise(_timeout_error(self._to, self._func, self._start, self._deadline))
 
     value = wait
@@ -143,13 +153,27 @@ def _raise(err: BaseException) -> None:
         del err  # no frame on the way up keeps it: see collectives._fail
 
 
-def rpc_sync(to: Any, func: Callable[..., Any], args: Optional[tuple[Any, ...]] = None, kwargs: Optional[dict[str, Any]] = None, *, timeout: TimeoutLike = None) -> Any:
+def rpc_sync(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    timeout: TimeoutLike = None,
+) -> Any:
     """``torch.distributed.rpc.rpc_sync`` with a deadline: returns ``func``'s result from ``to``,
     or raises :class:`RpcTimeoutError` at the deadline."""
     return rpc_async(to, func, args, kwargs, timeout=timeout).wait()
 
 
-def rpc_async(to: Any, func: Callable[..., Any], args: Optional[tuple[Any, ...]] = None, kwargs: Optional[dict[str, Any]] = None, *, timeout: TimeoutLike = None) -> RpcFuture:
+def rpc_async(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    timeout: TimeoutLike = None,
+) -> RpcFuture:
     """``torch.distributed.rpc.rpc_async`` with a deadline fixed now; returns an
     :class:`RpcFuture` (``fastdist.wait(fut)`` works too)."""
     start = current_time()
@@ -185,7 +209,14 @@ class RRef:
         return getattr(self.torch_rref, name)
 
 
-def remote(to: Any, func: Callable[..., Any], args: Optional[tuple[Any, ...]] = None, kwargs: Optional[dict[str, Any]] = None, *, timeout: TimeoutLike = None) -> RRef:
+def remote(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    timeout: TimeoutLike = None,
+) -> RRef:
     """``torch.distributed.rpc.remote`` with a deadline for creating the value on ``to``."""
     start = current_time()
     deadline = _deadline(timeout, start)
@@ -206,14 +237,17 @@ def shutdown(graceful: bool = True, *, timeout: float = 10.0) -> bool:
     if not isinstance(graceful, bool):
         raise TypeError(f"graceful must be a bool, got {type(graceful).__name__}: {graceful!r}")
     seconds = validate_seconds(timeout, "timeout")
-    worker = threading.Thread(target=_rpc.shutdown, kwargs={"graceful": graceful}, name="fastdist-rpc-shutdown", daemon=True)
+    worker = threading.Thread(
+        target=_rpc.shutdown, kwargs={"graceful": graceful}, name="fastdist-rpc-shutdown", daemon=True
+    )
     worker.start()
     worker.join(None if math.isinf(seconds) else seconds)
     _default_timeout = None
     if worker.is_alive():
         logger.warning(
             "RPC shutdown did not finish within %.3g s: a call is still running here (its caller may have "
-            "timed out); leaving it to finish in the background", seconds,
+            "timed out); leaving it to finish in the background",
+            seconds,
         )
         # A call still running when the interpreter finalizes is killed inside torch, which can
         # abort the process; so exit waits for it once more, as long again at most.

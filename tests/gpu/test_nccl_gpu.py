@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from mp import describe, run_ranks
 
 HAS_CUDA = torch.cuda.is_available()
@@ -39,7 +38,10 @@ def test_single_gpu_timeout_abort_and_recover() -> None:
     assert r.record("env")["mode"] == "2", info
     assert r.record("healthy")["value"] == 1.0, info
     runs = r.record("timeouts")["results"]
-    _save("gpu_timeouts.json", {"sync_all_reduce": runs, "stalled": [rec for rec in r.records if rec.get("event") == "stalled"]})
+    _save(
+        "gpu_timeouts.json",
+        {"sync_all_reduce": runs, "stalled": [rec for rec in r.records if rec.get("event") == "stalled"]},
+    )
     for run in runs:
         # CollectiveTimeoutError within 1.5 s of the call for a 1 s timeout (the issue's bound).
         assert 1.0 <= run["detected"] < 1.5, info
@@ -68,8 +70,9 @@ def test_torchrun_worker_survives_a_timeout_and_recovers(tmp_path) -> None:
     default with 2, so the rescued worker lives on and recovers."""
     from test_torchrun import _free_port, _torchrun
 
-    code, recs, log = _torchrun(tmp_path, "gpu_stall", 1,
-                                ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"], timeout=120)
+    code, recs, log = _torchrun(
+        tmp_path, "gpu_stall", 1, ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"], timeout=120
+    )
     info = f"{recs}\n{log[-4000:]}"
     assert code == 0, info
     rec = recs["0-0"]
