@@ -33,7 +33,8 @@ def build(data: dict) -> tuple[str, dict]:
         x = b.get(f"test_collective_overhead[{op}]", {}).get("extra_info")
         if x:
             lines.append(
-                f"| {op} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | {x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |"
+                f"| {op} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | "
+                f"{x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |"
             )
             plot.setdefault("overhead", {})[op] = x["ratio_of_medians"]
     watched = [
@@ -44,8 +45,8 @@ def build(data: dict) -> tuple[str, dict]:
         lines += [
             "",
             (
-                "### Watched groups: torch's own calls on a watched group against a plain gloo group (goals: DDP <= 1.02, "
-                "1 element <= 1.03, 1 MB <= 1.01)"
+                "### Watched groups: torch's own calls on a watched group against a plain gloo group "
+                "(goals: DDP <= 1.02, 1 element <= 1.03, 1 MB <= 1.01)"
             ),
             "",
             "| call | plain gloo | watched | ratio of medians | added |",
@@ -59,7 +60,8 @@ def build(data: dict) -> tuple[str, dict]:
         for op, x in watched:
             if x:
                 lines.append(
-                    f"| {label[op]} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | {x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |"
+                    f"| {label[op]} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | "
+                    f"{x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |"
                 )
     w = b.get("test_wait_on_a_completed_future", {}).get("extra_info")
     f = b.get("test_fail_after_enter_exit", {}).get("extra_info")
@@ -67,8 +69,8 @@ def build(data: dict) -> tuple[str, dict]:
         lines += [
             "",
             (
-                f"fastdist.wait(fut, timeout=10) on a completed Future: {w['fastdist_us']:.2f} us against fut.wait() {w['raw_us']:.2f} us "
-                f"(added {w['added_us']:+.2f} us; goal <= 1.2 us)."
+                f"fastdist.wait(fut, timeout=10) on a completed Future: {w['fastdist_us']:.2f} us against "
+                f"fut.wait() {w['raw_us']:.2f} us (added {w['added_us']:+.2f} us; goal <= 1.2 us)."
             ),
         ]
     if f:
@@ -78,16 +80,20 @@ def build(data: dict) -> tuple[str, dict]:
         lines += [
             "",
             (
-                f"fastdist.all_reduce(t, timeout=30) against dist.all_reduce(t), 1 element, on one watched group of "
-                f"one rank, in process (the Python layer's own cost, without peer noise): {c['fastdist_us']:.2f} us against "
-                f"{c['dist_us']:.2f} us, added {c['added_us']:+.2f} us per call (ratio {c['ratio']:.3f})."
+                "fastdist.all_reduce(t, timeout=30) against dist.all_reduce(t), 1 element, on one watched "
+                "group of one rank, in process (the Python layer's own cost, without peer noise): "
+                f"{c['fastdist_us']:.2f} us against {c['dist_us']:.2f} us, "
+                f"added {c['added_us']:+.2f} us per call (ratio {c['ratio']:.3f})."
             ),
         ]
     x = b.get("test_checks_cost", {}).get("extra_info")
     if x:
         lines += [
             "",
-            f"FASTDIST_CHECK=1 on a 1-element all_reduce: {x['unchecked_median_us']:.0f} us -> {x['checked_median_us']:.0f} us (x{x['ratio']:.1f}).",
+            (
+                f"FASTDIST_CHECK=1 on a 1-element all_reduce: {x['unchecked_median_us']:.0f} us -> "
+                f"{x['checked_median_us']:.0f} us (x{x['ratio']:.1f})."
+            ),
         ]
 
     timers = [
@@ -119,7 +125,10 @@ def build(data: dict) -> tuple[str, dict]:
     if x:
         lines += [
             "",
-            "### Detection: deadline -> error in the caller, 50 hangs (goal: median <= 20 ms without the report)",
+            (
+                "### Detection: deadline -> error in the caller, 50 hangs "
+                "(goal: median <= 20 ms without the report)"
+            ),
             "",
             "| | median | p99 |",
             "|---|---|---|",
@@ -141,7 +150,8 @@ def build(data: dict) -> tuple[str, dict]:
         ]
         for x in sorted(rec, key=lambda r: r["world_size"]):
             lines.append(
-                f"| {x['world_size']} | {x['recovery_s'] * 1000:.0f} ms | {x['restart_s'] * 1000:.0f} ms | {x['speedup']:.0f}x |"
+                f"| {x['world_size']} | {x['recovery_s'] * 1000:.0f} ms | {x['restart_s'] * 1000:.0f} ms | "
+                f"{x['speedup']:.0f}x |"
             )
         plot["recovery"] = rec
 
@@ -163,19 +173,22 @@ def build(data: dict) -> tuple[str, dict]:
     idle = b.get("test_idle_wakeups_per_second", {}).get("extra_info")
     if idle:
         lines.append(
-            f"\nIdle timer wake-ups: {idle['idle_wakeups_per_second']:.2f}/s with {idle['pending']} deadlines pending."
+            f"\nIdle timer wake-ups: {idle['idle_wakeups_per_second']:.2f}/s with {idle['pending']} "
+            "deadlines pending."
         )
     reap = [b[k]["extra_info"] for k in sorted(b) if k.startswith("test_reaping_cost")]
     for x in reap:
         lines.append(
-            f"\nReaping on the NCCL path ({x['backend']}): {x['reap_per_op_us']:.2f} us per op at {x['inflight']:,} in flight (goal <= 1 us); "
-            f"queried one by one (point-to-point works): {x.get('reap_each_per_op_us', float('nan')):.2f} us per op."
+            f"\nReaping on the NCCL path ({x['backend']}): {x['reap_per_op_us']:.2f} us per op at "
+            f"{x['inflight']:,} in flight (goal <= 1 us); queried one by one (point-to-point works): "
+            f"{x.get('reap_each_per_op_us', float('nan')):.2f} us per op."
         )
     machine = data.get("machine_info", {})
     lines += [
         "",
         (
-            f"Measured on {machine.get('cpu', {}).get('brand_raw', 'this machine')} ({machine.get('cpu', {}).get('count', '?')} cores), "
+            f"Measured on {machine.get('cpu', {}).get('brand_raw', 'this machine')} "
+            f"({machine.get('cpu', {}).get('count', '?')} cores), "
             f"Python {machine.get('python_version', '?')}; `make bench`."
         ),
     ]

@@ -24,6 +24,7 @@ def test_detection_latency(benchmark) -> None:
     benchmark.extra_info.update({k: v for k, v in rec.items() if k not in ("event", "wall")})
     for mode in ("with_report", "without_report"):
         print(
-            f"\ndetection {mode}: median {rec[mode]['median_ms']:.1f} ms, p99 {rec[mode]['p99_ms']:.1f} ms past the deadline"
+            f"\ndetection {mode}: median {rec[mode]['median_ms']:.1f} ms, p99 {rec[mode]['p99_ms']:.1f} ms "
+            "past the deadline"
         )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

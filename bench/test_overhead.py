@@ -53,7 +53,8 @@ def test_watched_group_overhead(benchmark, pair, op: str) -> None:
     result = pair.interleaved(f"raw_{op}", f"w_{op}", rounds)
     benchmark.extra_info.update(result)
     print(
-        f"\nwatched {op}: plain {result['raw_median_us']:.1f} us, watched {result['fastdist_median_us']:.1f} us, "
+        f"\nwatched {op}: plain {result['raw_median_us']:.1f} us, "
+        f"watched {result['fastdist_median_us']:.1f} us, "
         f"ratio {result['ratio_of_medians']:.3f}, added {result['added_us']:+.1f} us"
     )
     _pedantic(benchmark, pair, f"w_{op}", 5 if SMOKE else 100)
@@ -71,7 +72,7 @@ def test_checks_cost(benchmark, pair) -> None:
         }
     )
     print(
-        f"\nchecks: all_reduce unchecked {result['raw_median_us']:.1f} us, checked {result['fastdist_median_us']:.1f} us "
-        f"(x{result['ratio_of_medians']:.2f})"
+        f"\nchecks: all_reduce unchecked {result['raw_median_us']:.1f} us, checked "
+        f"{result['fastdist_median_us']:.1f} us (x{result['ratio_of_medians']:.2f})"
     )
     _pedantic(benchmark, pair, "fd_all_reduce_1_checked", 5 if SMOKE else 100)

@@ -45,11 +45,12 @@ def test_gpu_all_reduce_overhead(benchmark) -> None:
     benchmark.extra_info.update(rec)
     for k in ("1", "1mb"):
         print(
-            f"\nNCCL all_reduce {k}: raw+sync {rec[k]['raw_sync_us']:.1f} us, fastdist {rec[k]['fastdist_us']:.1f} us, "
-            f"ratio {rec[k]['ratio']:.3f}"
+            f"\nNCCL all_reduce {k}: raw+sync {rec[k]['raw_sync_us']:.1f} us, fastdist "
+            f"{rec[k]['fastdist_us']:.1f} us, ratio {rec[k]['ratio']:.3f}"
         )
     a = rec["async_issue"]
     print(
-        f"\nNCCL async all_reduce, issue cost: raw {a['raw_us']:.1f} us, fastdist {a['fastdist_us']:.1f} us, ratio {a['ratio']:.3f}"
+        f"\nNCCL async all_reduce, issue cost: raw {a['raw_us']:.1f} us, "
+        f"fastdist {a['fastdist_us']:.1f} us, ratio {a['ratio']:.3f}"
     )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

@@ -43,7 +43,7 @@ def test_recovery_vs_restart(benchmark, world_size: int) -> None:
         }
     )
     print(
-        f"\n{world_size} ranks: recovery {recovery * 1000:.0f} ms (median of {cycles}), restart {restart * 1000:.0f} ms, "
-        f"{restart / recovery:.1f}x"
+        f"\n{world_size} ranks: recovery {recovery * 1000:.0f} ms (median of {cycles}), restart "
+        f"{restart * 1000:.0f} ms, {restart / recovery:.1f}x"
     )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

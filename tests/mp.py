@@ -73,8 +73,8 @@ def run_ranks(
     overran = False
     try:
         for rank in range(world_size):
-            out = tempfile.TemporaryFile()
-            err = tempfile.TemporaryFile()
+            out = tempfile.TemporaryFile()  # noqa: SIM115 - the child writes to it; closed after reading below
+            err = tempfile.TemporaryFile()  # noqa: SIM115 - the child writes to it; closed after reading below
             outs.append((out, err))
             cmd = [
                 sys.executable,
@@ -124,7 +124,8 @@ def run_ranks(
         results.append(RankResult(rank, p.returncode, stdout, stderr, exited_at.get(rank), records))
     if overran:
         raise AssertionError(
-            f"scenario {scenario!r} did not finish within {timeout} s; exited: {sorted(exited_at)}\n{describe(results)}"
+            f"scenario {scenario!r} did not finish within {timeout} s; exited: "
+            f"{sorted(exited_at)}\n{describe(results)}"
         )
     return results
 

@@ -257,7 +257,11 @@ def test_an_action_that_raises_does_not_stop_the_engine(eng, monkeypatch) -> Non
 
 def _run_script(code: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 

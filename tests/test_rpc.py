@@ -37,8 +37,8 @@ def test_rpc_timeouts_are_typed_bounded_and_the_agent_keeps_working() -> None:
     assert r0.record("bad_args")["errors"] == [
         "ValueError: timeout must be positive, got 0.0",
         (
-            "TypeError: timeout must be a number of seconds, a datetime.timedelta, math.inf, a RendezvousTimeout "
-            "or an open fail_after/fail_at scope; got str: '5'"
+            "TypeError: timeout must be a number of seconds, a datetime.timedelta, math.inf, a "
+            "RendezvousTimeout or an open fail_after/fail_at scope; got str: '5'"
         ),
         "TypeError: func must be callable, got str: 'rpc_add'",
         "TypeError: args must be a tuple or None, got list",

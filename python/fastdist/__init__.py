@@ -15,9 +15,9 @@ from . import _build_info
 if _torch.__version__ != _build_info.TORCH_VERSION:
     # fastdist._watched links libtorch: a build serves exactly the torch it was compiled against.
     raise ImportError(
-        f"fastdist was built against torch {_build_info.TORCH_VERSION}, and this is torch {_torch.__version__}: "
-        "rebuild fastdist for this torch (pip install --no-build-isolation --force-reinstall --no-deps <fastdist "
-        "source>, or make setup)"
+        f"fastdist was built against torch {_build_info.TORCH_VERSION}, and this is torch "
+        f"{_torch.__version__}: rebuild fastdist for this torch (pip install --no-build-isolation "
+        "--force-reinstall --no-deps <fastdist source>, or make setup)"
     )
 
 from . import _watch  # noqa: F401  (watched groups: patches torch at init_process_group)

@@ -119,7 +119,8 @@ def resolve(group: Any) -> Any | None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "the default process group is not initialized: call "
-                "fastdist.init_process_group() (or torch.distributed.init_process_group()) first, or pass group="
+                "fastdist.init_process_group() (or torch.distributed.init_process_group()) first, "
+                "or pass group="
             )
         return dist.distributed_c10d._get_default_group()
     if group is dist.GroupMember.NON_GROUP_MEMBER:

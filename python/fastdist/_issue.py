@@ -106,9 +106,10 @@ def _concurrent_use(st: Any, op: str, owner: int, me: int) -> NoReturn:
     # aborts). Collectives torch issues on its own threads (autograd, DDP, FSDP2) do not come here.
     names = {t.ident: t.name for t in threading.enumerate()}
     raise RuntimeError(
-        f"{op} on group {st.name!r}: thread {names.get(me, me)!r} called it while thread {names.get(owner, owner)!r} "
-        "is still in a blocking fastdist call on the same group; ops on one group must come from one thread at a "
-        "time, in the same order on every rank (use one group per thread)"
+        f"{op} on group {st.name!r}: thread {names.get(me, me)!r} called it while thread "
+        f"{names.get(owner, owner)!r} is still in a blocking fastdist call on the same group; "
+        "ops on one group must come from one thread at a time, in the same order on every rank "
+        "(use one group per thread)"
     )
 
 

@@ -238,7 +238,7 @@ def abort_group(pg: Any, is_default: bool, error: BaseException) -> None:
             run_timeout_handler(error)
         except SystemExit as e:
             exit_process(e.code)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - a handler that raised chose to keep going
             pending.settled.set()  # the handler chose to keep going
             return
         exit_process(1)
@@ -248,7 +248,7 @@ def abort_group(pg: Any, is_default: bool, error: BaseException) -> None:
     def run() -> None:
         try:
             _abort(pg, is_default)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - a backend thread: the failure is logged
             logger.warning("aborting the communicators of a timed-out group failed: %s", exc)
         finally:
             guard.cancel()

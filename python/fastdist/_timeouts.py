@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+import types
 from typing import Any, Callable, Union
 
 from . import _core, _watched
@@ -158,10 +159,20 @@ class _Scope(DeadlineScope):
         self._since = _monotonic_wall()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
         _pop_scope()
         _scope_deadline.reset(self._reset)
-        if exc_type is not None and issubclass(exc_type, RuntimeError) and _typed_error_for is not None:
+        if (
+            exc_type is not None
+            and exc is not None
+            and issubclass(exc_type, RuntimeError)
+            and _typed_error_for is not None
+        ):
             # torch re-wraps some errors on their way up (autograd): give back the typed one,
             # chained to what torch raised.
             typed = _typed_error_for(exc, self._since)
@@ -186,7 +197,8 @@ def fail_at(deadline: float) -> _Scope:
     """
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
         raise TypeError(
-            f"deadline must be a number (seconds on fastdist.current_time()), got {type(deadline).__name__}: {deadline!r}"
+            "deadline must be a number (seconds on fastdist.current_time()), got "
+            f"{type(deadline).__name__}: {deadline!r}"
         )
     if math.isnan(deadline):
         raise ValueError(f"deadline must not be NaN, got {deadline!r}")
@@ -205,7 +217,8 @@ def fail_after(seconds: float | datetime.timedelta) -> _Scope:
     The countdown starts when the block is entered.
     """
     kind = type(seconds)
-    if (kind is float or kind is int) and seconds > 0 and seconds == seconds:  # type: ignore[operator]
+    # (NaN > 0 is False: a NaN goes to validate_seconds, which names it.)
+    if (kind is float or kind is int) and seconds > 0:  # type: ignore[operator]
         return _Relative(float(seconds))  # type: ignore[arg-type]
     return _Relative(validate_seconds(seconds, "seconds"))
 

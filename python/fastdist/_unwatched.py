@@ -206,7 +206,10 @@ class UnwatchedWork(Work):
                 )
                 abandon(self._token, self._callback_ref)
         except BaseException as exc:  # noqa: BLE001 - made into the handle's error
-            reason = f"{self.op} #{self._seq} timed out on rank {self._st.my_global_rank} (its report failed: {exc!r})"
+            reason = (
+                f"{self.op} #{self._seq} timed out on rank {self._st.my_global_rank} "
+                f"(its report failed: {exc!r})"
+            )
             _groups.mark_dead(self._pg, reason)
             self._error = GroupAbortedError(
                 op=self.op, group=self._st.name, rank=self._st.my_global_rank, reason=reason

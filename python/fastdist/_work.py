@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import contextlib
 import datetime
 import logging
 import math
@@ -187,10 +188,8 @@ def exit_process(code: object) -> None:
         status = 1
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # exiting anyway: a stream that cannot flush is left
             stream.flush()
-        except Exception:
-            pass
     os._exit(status)
 
 

@@ -165,7 +165,8 @@ def all_gather(
     def issue(pg: Any, opts: Any) -> Any:
         if len(tensor_list) != pg.size():
             raise ValueError(
-                f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got {len(tensor_list)}"
+                f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got "
+                f"{len(tensor_list)}"
             )
         return pg.allgather([tensor_list], [tensor], opts)
 

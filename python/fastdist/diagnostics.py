@@ -37,8 +37,8 @@ def store_gone_reason() -> str:
     """Says that the job's store is unreachable, and where it was."""
     where = f" at {store_location}" if store_location else ""
     return (
-        f"the job's store{where} cannot be reached ({store_failure or 'connection lost'}): its host exited or "
-        "was killed, and reports and recovery go through it; restart the job"
+        f"the job's store{where} cannot be reached ({store_failure or 'connection lost'}): its host exited "
+        "or was killed, and reports and recovery go through it; restart the job"
     )
 
 
@@ -87,7 +87,7 @@ def report(
                 records[r] = me
             elif store.check([key]):
                 records[r] = json.loads(store.get(key))
-    except Exception as exc:  # a dead store must not turn a timeout into another failure
+    except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
         global store_failure
         store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         logger.warning(
@@ -128,6 +128,9 @@ def peer_closed_verdict(rep: Report | None, started_wall: float) -> tuple[str | 
         many = len(rep.missing) > 1
         return (
             None,
-            f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or {'were' if many else 'was'} killed",
+            (
+                f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or "
+                f"{'were' if many else 'was'} killed"
+            ),
         )
     return None, "a peer exited or was killed"

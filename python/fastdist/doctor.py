@@ -133,7 +133,7 @@ def _store_check(ip: str, port: int, timeout: float) -> Check:
         return Check(
             "store", True, f"connect + set/get/delete round trip in {(time.monotonic() - t0) * 1000:.2f} ms"
         )
-    except Exception as exc:  # torch raises several kinds here
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds here; reported as a failed check
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return Check(
             "store",

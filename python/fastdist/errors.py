@@ -120,7 +120,10 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
                 f"{_fmt_seconds(-self.timeout)} before the call"
             )
         else:
-            text = f"{what} on group {self.group!r} timed out after {_fmt_seconds(self.timeout)} on rank {self.rank}"
+            text = (
+                f"{what} on group {self.group!r} timed out after {_fmt_seconds(self.timeout)} on rank "
+                f"{self.rank}"
+            )
         parts = []
         if self.missing_ranks:
             seen = f" (last seen in {self.last_seen})" if self.last_seen else ""
@@ -156,7 +159,10 @@ class CollectiveMismatchError(FastdistError, ValueError):
 
     def _message(self) -> str:
         diffs = "; ".join(f"rank {r} called {sig}" for r, sig in sorted(self.differing.items()))
-        return f"{self.op} #{self.seq} on group {self.group!r} does not match across ranks: expected {self.expected}; {diffs}"
+        return (
+            f"{self.op} #{self.seq} on group {self.group!r} does not match across ranks: expected "
+            f"{self.expected}; {diffs}"
+        )
 
 
 class RpcTimeoutError(FastdistError, TimeoutError):
@@ -179,12 +185,19 @@ class RpcTimeoutError(FastdistError, TimeoutError):
 
 
 _CONNECT_ADVICE = {
-    "unresolvable_address": "the name does not resolve: check MASTER_ADDR for typos, and DNS or /etc/hosts on this machine",
+    "unresolvable_address": (
+        "the name does not resolve: check MASTER_ADDR for typos, and DNS or /etc/hosts on this machine"
+    ),
     "port_in_use": "the port is already taken here: pick another MASTER_PORT, or stop the process holding it",
     "refused": "nothing is listening there: is rank 0 running, on that machine, with the same MASTER_PORT?",
-    "unreachable": "no answer at all: a firewall or a wrong network; check the address is reachable from here (nc -vz HOST PORT)",
+    "unreachable": (
+        "no answer at all: a firewall or a wrong network; "
+        "check the address is reachable from here (nc -vz HOST PORT)"
+    ),
     "version_mismatch": "the ranks run different versions: install the same torch and fastdist everywhere",
-    "world_size_mismatch": "the ranks were started with different world sizes: check WORLD_SIZE / --nnodes / --nproc-per-node",
+    "world_size_mismatch": (
+        "the ranks were started with different world sizes: check WORLD_SIZE / --nnodes / --nproc-per-node"
+    ),
 }
 
 
@@ -225,7 +238,10 @@ class RendezvousClosedError(FastdistError):
     world_size: int
 
     def _message(self) -> str:
-        return f"rank {self.rank} arrived after the rendezvous closed ({self.joined} of {self.world_size} ranks had joined)"
+        return (
+            f"rank {self.rank} arrived after the rendezvous closed ({self.joined} of {self.world_size} "
+            "ranks had joined)"
+        )
 
 
 class RendezvousTimeoutError(FastdistError, TimeoutError):
@@ -260,7 +276,10 @@ class RecoveryError(FastdistError):
     missing_ranks: list[int] | None
 
     def _message(self) -> str:
-        text = f"recovering group {self.group!r} (generation {self.generation}) failed on rank {self.rank}: {self.reason}"
+        text = (
+            f"recovering group {self.group!r} (generation {self.generation}) failed on rank {self.rank}: "
+            f"{self.reason}"
+        )
         if self.missing_ranks:
             text += f" ({_fmt_ranks(self.missing_ranks)} did not turn up)"
         return text

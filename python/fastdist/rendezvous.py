@@ -223,7 +223,10 @@ def check_versions(store: Any, rank: int, world_size: int, host: str, port: int,
             port=port,
             attempts=1,
             elapsed=time.monotonic() - t0,
-            detail=f"rank 0 was started with world size {theirs.get('world_size')}, rank {rank} with {world_size}",
+            detail=(
+                f"rank 0 was started with world size {theirs.get('world_size')}, rank {rank} with "
+                f"{world_size}"
+            ),
         )
 
 

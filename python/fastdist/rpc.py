@@ -139,7 +139,8 @@ class RpcFuture:
                     raise
         if limit < self._deadline and current_time() < self._deadline:
             raise TimeoutError(
-                f"wait() on the RPC {_func_name(self._func)} to {self._to} gave up; the call's own deadline has not passed"
+                f"wait() on the RPC {_func_name(self._func)} to {self._to} gave up; "
+                "the call's own deadline has not passed"
             )
         _raise(_timeout_error(self._to, self._func, self._start, self._deadline))
 
