@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+#include <chrono>
 #include <new>
 #include <set>
 #include <stdexcept>
@@ -75,17 +77,6 @@ void Token::work_done() {
   }
   // complete() wakes the waiters when it ends the token; otherwise wake them here.
   if (!complete()) engine_->waiters_cv_.notify_all();
-}
-
-bool Token::wait_work_done(Nanos max_wait) {
-  auto done = [this] { return is_work_done(); };
-  if (done()) return true;
-  std::unique_lock<std::mutex> lk(engine_->mu_);
-  if (max_wait == kNever) {
-    engine_->waiters_cv_.wait(lk, done);
-    return true;
-  }
-  return engine_->waiters_cv_.wait_for(lk, std::chrono::nanoseconds(max_wait), done);
 }
 
 State Token::wait(Nanos max_wait) {
@@ -172,10 +163,13 @@ void Engine::timer_loop() {
     }
     if (!due.empty()) {
       // Actions run on the executor thread, never here: one that blocks must not delay others.
+      in_transit_ = true;
       lk.unlock();
       executor_.post(std::move(due));
       due.clear();
       lk.lock();
+      in_transit_ = false;
+      waiters_cv_.notify_all();  // flush() waits for this
       continue;  // time moved on while the lock was released
     }
     processed_until_ = now;
@@ -216,6 +210,22 @@ void Engine::shutdown(Nanos max_wait) {
   executor_.stop(max_wait);
 }
 
+bool Engine::flush(Nanos max_wait) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(max_wait);
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    auto handed_over = [this] { return !in_transit_ || stopping_; };
+    if (max_wait == kNever) {
+      waiters_cv_.wait(lk, handed_over);
+    } else if (!waiters_cv_.wait_until(lk, until, handed_over)) {
+      return false;
+    }
+  }
+  if (max_wait == kNever) return executor_.flush(kNever);
+  const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(until - std::chrono::steady_clock::now());
+  return executor_.flush(std::max<Nanos>(0, static_cast<Nanos>(left.count())));
+}
+
 EngineStats Engine::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   EngineStats s = stats_;
@@ -250,6 +260,7 @@ void Engine::child_after_fork() {
     e->executor_.reset_after_fork_child();
     new (&e->timer_) std::thread();
     e->started_ = false;
+    e->in_transit_ = false;  // the timer thread that was handing actions over is gone
     new (&e->timer_cv_) std::condition_variable();
     new (&e->waiters_cv_) std::condition_variable();
     e->mu_.unlock();

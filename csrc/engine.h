@@ -42,7 +42,6 @@ class Token {
   Token& operator=(const Token&) = delete;
 
   State state() const { return static_cast<State>(state_.load(std::memory_order_acquire)); }
-  Nanos deadline_ns() const { return deadline; }
   Engine& engine() const { return *engine_; }
 
   // Each returns true if this call ended the token (it was pending).
@@ -53,10 +52,6 @@ class Token {
   // that the work ended, even when the token had already expired.
   void work_done();
   bool is_work_done() const { return work_done_.load(std::memory_order_acquire); }
-
-  // Blocks until work_done() was called or `max_wait` (real time) passed; returns whether it was.
-  // Used at exit to let the callbacks of abandoned (timed-out) work run while Python still can.
-  bool wait_work_done(Nanos max_wait);
 
   // Blocks until the token is no longer pending or `max_wait` (real time) passed; returns the
   // state, which is kPending only if `max_wait` ran out.
@@ -103,8 +98,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // token due by the new time and queued their actions.
   void advance(Nanos delta);
 
-  // Waits until the executor ran every queued action; false if `max_wait` passed first.
-  bool flush(Nanos max_wait) { return executor_.flush(max_wait); }
+  // Waits until the action of every token expired so far has run; false if `max_wait` passed
+  // first. (An action is in transit from the timer thread to the executor for a moment after its
+  // token is marked expired: a waiter that saw the expiry and then flushes waits for it too.)
+  bool flush(Nanos max_wait);
 
   // Stops both threads. Pending tokens stay pending and never expire; tokens still work as
   // plain completion flags. Used at interpreter exit.
@@ -137,6 +134,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   Nanos timer_wakes_at_ = kNever;
   bool started_ = false;
   bool stopping_ = false;
+  bool in_transit_ = false;  // the timer thread is handing expired tokens' actions to the executor
   std::thread timer_;
   Executor executor_;
   EngineStats stats_;

@@ -101,13 +101,6 @@ void register_engine(py::module_& m) {
       // go of the callback (see fastdist._work's exit hook).
       .def("notifier", [](const std::shared_ptr<Token>& t) { return Notifier{t}; })
       .def_property_readonly("work_done", &Token::is_work_done)
-      .def("wait_work_done",
-           [](Token& t, const py::object& timeout) {
-             const Nanos max_wait = wait_from_python(timeout);
-             py::gil_scoped_release nogil;
-             return t.wait_work_done(max_wait);
-           },
-           py::arg("timeout") = py::none())
       .def("wait", [](Token& t, const py::object& timeout) { return static_cast<int>(wait_token(t, wait_from_python(timeout))); },
            py::arg("timeout") = py::none())
       .def("__repr__", [](const Token& t) {
