@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine with Python 3.9+ and a C++ compiler:
 #   make demo    set up .venv (torch==2.13.0 unless the venv has a torch), build, run the demo
-#   make test    same set-up, then the whole test suite
+#   make test    same set-up, then `make check` (lint, types, sanitizers), then the whole test suite
 #   make bench   same set-up, then bench/ (results in bench/results/)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fastdist-installed
 SOURCES := pyproject.toml CMakeLists.txt $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null)
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo check test bench clean
 
 setup: $(STAMP)
 
@@ -17,13 +17,21 @@ $(STAMP): $(SOURCES)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	# fastdist._watched is compiled against the installed torch: build without isolation.
 	$(PY) -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
-	$(PY) -m pip install -q --no-build-isolation ".[test,bench]"
+	$(PY) -m pip install -q --no-build-isolation ".[test,bench,lint]"
 	touch $@
 
 demo: setup
 	$(PY) -m fastdist demo
 
-test: setup
+# The gates: ruff (lint and format), mypy --strict, and the engine's stress test under
+# ThreadSanitizer and ASan + UBSan. Any finding fails the build.
+check: setup
+	$(VENV)/bin/ruff check python tests bench
+	$(VENV)/bin/ruff format --check python tests bench
+	$(VENV)/bin/mypy
+	scripts/sanitize
+
+test: check
 	$(PY) -m pytest
 
 # The benchmarks (about 4 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.
