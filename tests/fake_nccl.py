@@ -108,4 +108,4 @@ def register() -> None:
 
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, devices=["cpu"])
-    fastdist._polled.POLLED_BACKENDS.add(NAME)
+    fastdist._groups.POLLED_BACKENDS.add(NAME)

@@ -34,6 +34,7 @@ from ._timeouts import (
     set_default_timeout,
     set_timeout_handler,
 )
+from ._version import __version__
 from .collectives import (
     Work,
     all_gather,
@@ -70,8 +71,6 @@ from .object_collectives import all_gather_object, broadcast_object_list, gather
 from .recovery import get_rank, get_world_size, init_process_group, recover
 
 # fastdist.rpc is a submodule (import fastdist.rpc): it imports torch.distributed.rpc.
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CollectiveMismatchError",

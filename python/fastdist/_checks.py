@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from . import _keys
 from ._timeouts import current_time
 from .errors import CollectiveMismatchError
+
+if TYPE_CHECKING:
+    from ._groups import GroupState
 
 # Read on every op (the hot path reads the attribute, not checks_enabled()).
 active = os.environ.get("FASTDIST_CHECK", "") not in ("", "0")
@@ -37,7 +40,7 @@ def checks_enabled() -> bool:
     return active
 
 
-def verify(st: Any, op: str, seq: int, signature: str, deadline: float) -> bool:
+def verify(st: GroupState, op: str, seq: int, signature: str, deadline: float) -> bool:
     """Publishes and compares signatures. Returns False if the deadline passed first (the
     caller reports the timeout); raises CollectiveMismatchError on a mismatch."""
     store = st.store

@@ -23,13 +23,26 @@ from torch._C._distributed_c10d import Backend as _Backend
 
 _world = dist.distributed_c10d._world
 
-from . import _polled, _watched
+from . import _watched
 from .errors import GroupAbortedError
 
 logger = logging.getLogger(__name__)
 
 
 _OP_HISTORY = 64
+
+# Backend names (as dist.get_backend() gives them) whose works complete their future at enqueue,
+# so that completion must be polled (fastdist._polled): NCCL.
+POLLED_BACKENDS = {"nccl"}
+
+
+def backend_name(pg: Any) -> str:
+    """``"gloo"``, ``"nccl"``, ...: the backend torch records for ``pg``, lower case."""
+    try:
+        return str(dist.get_backend(pg)).lower()
+    except (RuntimeError, ValueError, AttributeError):
+        name = getattr(pg, "name", None)
+        return str(name() if callable(name) else name or "").lower()
 
 
 class GroupState:
@@ -69,9 +82,9 @@ class GroupState:
         # that failed, and with them the dead group itself, alive for good.
         self.dead_reason: str | None = None
         self.generation = _generations.get(self.name, 0)
-        self.backend = _polled.backend_of(pg)
+        self.backend = backend_name(pg)
         # NCCL-like: works must be polled for completion, and aborted at the deadline.
-        self.polled = _polled.is_polled(self.backend)
+        self.polled = self.backend in POLLED_BACKENDS
         self.is_default = self.name == "default"
         # The watched backend (fastdist._watched) when the group is watched: it numbers, bounds
         # and reports every op itself.
@@ -253,6 +266,12 @@ def is_dead(group: Any = None) -> bool:
     if st.watched is not None:
         return bool(st.watched.dead)  # the watched backend knows first (a fault is marked there)
     return st.dead_reason is not None
+
+
+def revive(st: GroupState) -> None:
+    """Records that the group of ``st`` works again (recovery rebuilt it in place)."""
+    with _lock:
+        st.dead_reason = None
 
 
 def next_generation(name: str) -> int:

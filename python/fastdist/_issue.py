@@ -59,7 +59,7 @@ def run(
 def _run_watched(
     op: str,
     pg: Any,
-    st: Any,
+    st: _groups.GroupState,
     start: float,
     deadline: float,
     issue: Callable[[Any, Any], Any],
@@ -100,7 +100,7 @@ def _run_watched(
     return work
 
 
-def _concurrent_use(st: Any, op: str, owner: int, me: int) -> NoReturn:
+def _concurrent_use(st: _groups.GroupState, op: str, owner: int, me: int) -> NoReturn:
     # Two threads in blocking calls on one group at once interleave their ops differently on
     # each rank: gloo then pairs the wrong ops and the results are silently wrong (or the process
     # aborts). Collectives torch issues on its own threads (autograd, DDP, FSDP2) do not come here.

@@ -37,9 +37,6 @@ from ._work import COMPLETED, PENDING, exit_process
 
 logger = logging.getLogger(__name__)
 
-# Backend names (as dist.get_backend() gives them) whose works fastdist polls.
-POLLED_BACKENDS = {"nccl"}
-
 # How long torch's abort may take before fastdist gives up on it and ends the process.
 ABORT_TIMEOUT_SECONDS = float(os.environ.get("FASTDIST_ABORT_TIMEOUT", "10"))
 
@@ -49,18 +46,6 @@ _POLL_MAX = 1e-3
 # wait() polls its own work): it can take its time, and leaves the GIL to the training loop.
 _REAP_MIN = 1e-3
 _REAP_MAX = 10e-3
-
-
-def backend_of(pg: Any) -> str:
-    try:
-        return str(dist.get_backend(pg)).lower()
-    except (RuntimeError, ValueError, AttributeError):
-        name = getattr(pg, "name", None)
-        return str(name() if callable(name) else name or "").lower()
-
-
-def is_polled(backend: str) -> bool:
-    return backend in POLLED_BACKENDS
 
 
 def poll(work: Any, token: Any, timeout: float = math.inf) -> int:

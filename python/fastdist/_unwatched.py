@@ -40,7 +40,7 @@ _monotonic = time.monotonic
 def run(
     op: str,
     pg: Any,
-    st: Any,
+    st: _groups.GroupState,
     start: float,
     deadline: float,
     issue: Callable[[Any, Any], Any],
@@ -85,7 +85,7 @@ def run(
 
 def _timed_out(
     pg: Any,
-    st: Any,
+    st: _groups.GroupState,
     op: str,
     seq: int,
     start: float,
@@ -100,7 +100,7 @@ def _timed_out(
 
 
 def _backend_failed(
-    pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, exc: RuntimeError
+    pg: Any, st: _groups.GroupState, op: str, seq: int, start: float, deadline: float, exc: RuntimeError
 ) -> BaseException:
     """The error to raise for a backend failure, or ``exc`` itself if it is not about the group."""
     text = _verdict.first_line(exc)
@@ -113,7 +113,9 @@ def _backend_failed(
     return exc
 
 
-def _wait_polled(op: str, pg: Any, st: Any, seq: int, work: Any, start: float, deadline: float) -> Any:
+def _wait_polled(
+    op: str, pg: Any, st: _groups.GroupState, seq: int, work: Any, start: float, deadline: float
+) -> Any:
     """The blocking wait on an NCCL-like backend: returns once the work completed on the device
     (its completion query, not a host-wide synchronize), or aborts the group at the deadline."""
     token = engine().add(deadline)
@@ -134,7 +136,7 @@ def _wait_polled(op: str, pg: Any, st: Any, seq: int, work: Any, start: float, d
 
 
 def _expire_polled(
-    pg: Any, st: Any, op: str, seq: int, start: float, deadline: float
+    pg: Any, st: _groups.GroupState, op: str, seq: int, start: float, deadline: float
 ) -> CollectiveTimeoutError:
     """At the deadline on an NCCL-like group: mark it dead, start aborting its communicators
     (in the background, bounded), and assemble the report meanwhile."""
@@ -163,7 +165,9 @@ class UnwatchedWork(Work):
     """The :class:`fastdist.Work` of an op on an unwatched group: an engine token expires it at
     the deadline (marking the group dead and building the report on the engine's executor)."""
 
-    def __init__(self, op: str, pg: Any, st: Any, seq: int, work: Any, start: float, deadline: float) -> None:
+    def __init__(
+        self, op: str, pg: Any, st: _groups.GroupState, seq: int, work: Any, start: float, deadline: float
+    ) -> None:
         self.op = op
         self._pg = pg
         self._st = st

@@ -51,7 +51,7 @@ def first_line(exc: BaseException | str) -> str:
 
 
 def timeout_error(
-    st: Any,
+    st: _groups.GroupState,
     op: str,
     seq: int | None,
     start: float,
@@ -77,7 +77,14 @@ def timeout_error(
 
 
 def peer_closed(
-    pg: Any, st: Any, op: str, seq: int, start: float, deadline: float, last_seen: str | None, text: str
+    pg: Any,
+    st: _groups.GroupState,
+    op: str,
+    seq: int,
+    start: float,
+    deadline: float,
+    last_seen: str | None,
+    text: str,
 ) -> BaseException:
     """A peer closed the group under op ``seq``: it timed out first (then this is a timeout too,
     unless this rank only arrived after that: a straggler), or it died. Marks the group dead."""

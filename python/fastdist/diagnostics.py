@@ -21,9 +21,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _keys
+
+if TYPE_CHECKING:
+    from ._groups import GroupState
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ def window(budget: float) -> float:
 
 
 def report(
-    st: Any, op: str, seq: int, state: str, budget: float, until: float | None = None
+    st: GroupState, op: str, seq: int, state: str, budget: float, until: float | None = None
 ) -> Report | None:
     """Publishes this rank's status (``state``: ``"timed_out"`` or ``"aborted"``) and collects the
     group's, for the window after now, or after ``until`` (a ``time.monotonic()`` value) when

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from typing_extensions import dataclass_transform  # a dependency of torch
+
 __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -40,11 +42,13 @@ def _fmt_ranks(ranks: Sequence[int]) -> str:
     return "ranks " + ", ".join(str(r) for r in ranks)
 
 
+@dataclass_transform(kw_only_default=True)
 class FastdistError(Exception):
     """Base of every error fastdist raises on its own account.
 
-    Subclasses list their fields in ``_fields``; the constructor takes them as keyword
-    arguments, stores them as attributes, and the message comes from ``_message()``.
+    Subclasses list their fields in ``_fields`` and annotate them; the constructor takes them as
+    keyword arguments (type checkers see a typed constructor made from the annotations, as for a
+    dataclass), stores them as attributes, and the message comes from ``_message()``.
     """
 
     _fields: ClassVar[tuple[str, ...]] = ("message",)

@@ -299,7 +299,7 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     return new
 
 
-def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -> list[int]:
+def _agree(store: Any, st: _groups.GroupState, gen: int, deadline: float, allow_shrink: bool) -> list[int]:
     """The sorted global ranks of the new generation, the same on every member."""
     key = _keys.key("recover", st.name)
     me = st.my_global_rank
@@ -347,7 +347,7 @@ def _agree(store: Any, st: Any, gen: int, deadline: float, allow_shrink: bool) -
     return members
 
 
-def _forget_generation(store: Any, st: Any, gen: int) -> None:
+def _forget_generation(store: Any, st: _groups.GroupState, gen: int) -> None:
     """Deletes fastdist's keys of generation ``gen`` of the group: every member is two generations
     past it, so nothing reads them any more; without this the store would gain a dozen keys per
     timeout and recovery (gloo's own keys go in _forget_connections)."""
@@ -390,14 +390,14 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
             fresh = _fresh_backend(backend, prefix, min(left, 1e6), gst)
             backend.swap_inner(fresh)
             _forget_connections(root, gst, backend, gen - 2)
-        gst.dead_reason = None
+        _groups.revive(gst)
         gst.generation = gen
         gst.seq = 0
     _groups.release_finished()
     return groups
 
 
-def _forget_connections(root: Any, st: Any, backend: Any, gen: int) -> None:
+def _forget_connections(root: Any, st: _groups.GroupState, backend: Any, gen: int) -> None:
     """Deletes the addresses gloo published for generation ``gen`` of a rebuilt backend (its
     first device's, ``DEVICE/RANK`` under the generation's prefix): every member agreed a later
     generation, so nobody connects through them any more. (NCCL's keys are its own; they stay.)"""
@@ -411,7 +411,7 @@ def _forget_connections(root: Any, st: Any, backend: Any, gen: int) -> None:
         pass
 
 
-def _fresh_backend(old: Any, store: Any, seconds: float, st: Any) -> Any:
+def _fresh_backend(old: Any, store: Any, seconds: float, st: _groups.GroupState) -> Any:
     """A new backend of ``old``'s kind (gloo or NCCL) for the same rank and size."""
     td = datetime.timedelta(seconds=seconds)
     inner = old.inner

@@ -44,7 +44,7 @@ VERSION_KEY = _keys.key("rdzv", "version")
 def versions() -> dict[str, Any]:
     import torch
 
-    from . import __version__
+    from ._version import __version__
 
     return {"torch": torch.__version__, "fastdist": __version__, "python": sys.version.split()[0]}
 
