@@ -70,6 +70,17 @@ def timeout_one_absent(ctx) -> None:
         ctx.record("aborted_again")
 
 
+def _poll_until(done, seconds: float) -> bool:
+    """Polls ``done()`` every 5 ms until it is true (True) or ``seconds`` passed (False): the
+    scenario records what it saw either way, and the test asserts on that."""
+    end = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def shared_deadline_and_handler(ctx) -> None:
     """2 ranks. Two calls sharing one RendezvousTimeout stop at its deadline; a timeout handler
     runs before the raise; then a handler's sys.exit(3) ends the process with code 3."""
@@ -673,7 +684,8 @@ def fake_nccl_logic(ctx) -> None:
     ok = h.wait()
     elapsed = time.monotonic() - t0
     unwaited = fastdist.all_reduce(t, async_op=True, timeout=5)
-    time.sleep(0.5)
+    # The reaper releases it (DELAY after its issue): poll for that, bounded.
+    _poll_until(lambda: _polled.reaper.pending() == 0 and unwaited.is_completed(), 3.0)
     ctx.record(
         "async",
         first=first,
@@ -709,8 +721,9 @@ def fake_nccl_logic(ctx) -> None:
     ctx.record("recovered", value=t.item(), new_group=new is not None, dead=fastdist.is_dead())
     # An async handle nobody waits on still times out and aborts.
     fake_nccl.DELAY = math.inf
+    aborted_before = len(fake_nccl.aborted_groups)
     h = fastdist.all_reduce(t, async_op=True, timeout=0.3)
-    time.sleep(0.8)
+    _poll_until(lambda: h.is_completed() and len(fake_nccl.aborted_groups) > aborted_before, 3.0)
     ctx.record(
         "unwaited",
         completed=h.is_completed(),
