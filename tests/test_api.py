@@ -409,3 +409,37 @@ def test_every_benchmark_runs_once_in_smoke_mode() -> None:
     assert passed + len(skips) == n and passed >= n - 4, (n, passed, skips)
     ratios = [float(r) for r in re.findall(r"ratio (\d+\.\d+)", out)]
     assert len(ratios) >= 9 and all(0 < r < 100 for r in ratios), out[-3000:]
+
+
+def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
+    """The store has no authentication: a record that is not fastdist's (garbage, another JSON
+    shape, missing fields) is refused with a clear message wherever fastdist reads one."""
+    import json
+    import types
+
+    import torch.distributed as dist
+    from fastdist import _keys, diagnostics, rendezvous
+    from fastdist.errors import RendezvousConnectionError
+
+    store = dist.HashStore()
+    st = types.SimpleNamespace(
+        store=store, size=3, rank=0, name="g", generation=0, my_global_rank=0, global_rank=lambda r: r
+    )
+    prefix = _keys.key("diag", "g", 0)
+    store.set(f"{prefix}/status/1", "{not json")
+    store.set(f"{prefix}/status/2", json.dumps({"op": "barrier", "seq": 4, "state": "timed_out", "t": 1.0}))
+    store.add(f"{prefix}/count", 2)
+    before = diagnostics.store_failure
+    rep = diagnostics.report(st, "barrier", 4, "timed_out", 1.0)
+    assert rep is not None and rep.missing == [] and 2 not in rep.desynced and rep.timed_out == [2]
+    assert "invalid status record" in rep.desynced[1]
+    assert diagnostics.store_failure == before  # the store is fine: not reported as gone
+    # A record of the right shape with a wrong field type is refused the same way.
+    store.set(f"{prefix}/status/2", json.dumps({"op": "barrier", "seq": "4", "state": "timed_out", "t": 1.0}))
+    rep = diagnostics.report(st, "barrier", 4, "timed_out", 1.0)
+    assert rep is not None and "invalid status record" in rep.desynced[2]
+
+    for bad in ("garbage", json.dumps([1, 2]), json.dumps({"torch": "2.13.0"})):
+        store.set(rendezvous.VERSION_KEY, bad)
+        with pytest.raises(RendezvousConnectionError, match="invalid_record.*not fastdist's.*MASTER_PORT"):
+            rendezvous.check_versions(store, 1, 2, "127.0.0.1", 29500, 1.0)

@@ -9,6 +9,7 @@ attempt 1's.
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -35,3 +36,21 @@ def agent_hosts_store() -> bool:
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
+
+
+def parse_record(raw: bytes | str, fields: dict[str, type | tuple[type, ...]]) -> dict[str, object] | None:
+    """A JSON record read from the store, or None when it is not one of fastdist's: not JSON, not
+    an object, or lacking one of ``fields`` (name -> expected type). The store has no
+    authentication (see the README's Security section): whatever reads a record checks it here
+    before use, so that a stranger's or a corrupt value gives a clear error, never a crash."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    for name, kind in fields.items():
+        v = value.get(name)
+        if not isinstance(v, kind) or (isinstance(v, bool) and kind in (int, float, (int, float))):
+            return None
+    return value

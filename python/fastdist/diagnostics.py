@@ -45,6 +45,11 @@ def store_gone_reason() -> str:
     )
 
 
+# A rank's status record: what report() writes, and checks before it believes one.
+_STATUS_FIELDS: dict[str, type | tuple[type, ...]] = {"op": str, "seq": int, "state": str, "t": (int, float)}
+_STATES = ("timed_out", "aborted")
+_INVALID: dict[str, Any] = {}
+
 MAX_WINDOW_SECONDS = 1.0
 WINDOW_FRACTION = 0.1
 _POLL_SECONDS = 0.005
@@ -89,7 +94,8 @@ def report(
             if r == st.rank:
                 records[r] = me
             elif store.check([key]):
-                records[r] = json.loads(store.get(key))
+                rec = _keys.parse_record(store.get(key), _STATUS_FIELDS)
+                records[r] = rec if rec is not None and rec["state"] in _STATES else _INVALID
     except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
         global store_failure
         store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -104,11 +110,14 @@ def report(
         if rec is None:
             out.missing.append(g)
             continue
+        if rec is _INVALID:
+            out.desynced[g] = "an invalid status record (not fastdist's: is something else using this store?)"
+            continue
         if (rec["op"], rec["seq"]) != (op, seq):
             out.desynced[g] = f"{rec['op']} #{rec['seq']}"
         if rec["state"] == "timed_out" and r != st.rank:
             out.timed_out.append(g)
-            t = float(rec.get("t", 0.0))
+            t = float(rec["t"])  # type: ignore[arg-type]  # checked: int or float
             out.first_timeout_wall = t if out.first_timeout_wall is None else min(out.first_timeout_wall, t)
     return out
 

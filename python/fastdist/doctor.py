@@ -155,7 +155,13 @@ def _version_check(ip: str, port: int, world_size: int | None, timeout: float) -
             f"torch {mine['torch']}, fastdist {mine['fastdist']}, Python {mine['python']} "
             "(rank 0 has published none to compare with)",
         )
-    theirs = json.loads(store.get(rendezvous.VERSION_KEY))
+    theirs = _keys.parse_record(store.get(rendezvous.VERSION_KEY), rendezvous.VERSION_FIELDS)
+    if theirs is None:
+        return Check(
+            "versions",
+            False,
+            f"the record at {rendezvous.VERSION_KEY!r} is not fastdist's: is another job using this port?",
+        )
     diffs = [
         f"{k} {theirs.get(k)} there, {mine[k]} here"
         for k in ("torch", "fastdist")

@@ -202,14 +202,18 @@ _CONNECT_ADVICE = {
     "world_size_mismatch": (
         "the ranks were started with different world sizes: check WORLD_SIZE / --nnodes / --nproc-per-node"
     ),
+    "invalid_record": (
+        "something other than this job's rank 0 wrote fastdist's keys in the store: is another job (or "
+        "anyone else) using MASTER_PORT? Run each job on its own port, on a private network"
+    ),
 }
 
 
 class RendezvousConnectionError(FastdistError, ConnectionError):
     """The ranks could not get together. Fields: ``cause`` (one of ``"unresolvable_address"``,
     ``"port_in_use"``, ``"refused"``, ``"unreachable"``, ``"version_mismatch"``,
-    ``"world_size_mismatch"``), ``address``, ``port``, ``attempts``, ``elapsed`` and ``detail``
-    (e.g. the process holding the port). The message says what to check."""
+    ``"world_size_mismatch"``, ``"invalid_record"``), ``address``, ``port``, ``attempts``,
+    ``elapsed`` and ``detail`` (e.g. the process holding the port). The message says what to check."""
 
     _fields = ("cause", "address", "port", "attempts", "elapsed", "detail")
 

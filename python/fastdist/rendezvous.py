@@ -197,6 +197,10 @@ def connect_store(
         time.sleep(pause)
 
 
+# What the version record must hold (rank 0 writes it; every other rank checks it).
+VERSION_FIELDS: dict[str, type | tuple[type, ...]] = {"torch": str, "fastdist": str, "world_size": int}
+
+
 def check_versions(store: Any, rank: int, world_size: int, host: str, port: int, timeout: float) -> None:
     """Rank 0 publishes its versions and world size; the others compare theirs."""
     mine = dict(versions(), world_size=world_size)
@@ -205,7 +209,16 @@ def check_versions(store: Any, rank: int, world_size: int, host: str, port: int,
         return
     t0 = time.monotonic()
     store.wait([VERSION_KEY], datetime.timedelta(seconds=timeout))
-    theirs = json.loads(store.get(VERSION_KEY))
+    theirs = _keys.parse_record(store.get(VERSION_KEY), VERSION_FIELDS)
+    if theirs is None:
+        raise RendezvousConnectionError(
+            cause="invalid_record",
+            address=host,
+            port=port,
+            attempts=1,
+            elapsed=time.monotonic() - t0,
+            detail=f"the version record at {VERSION_KEY!r} is not fastdist's",
+        )
     for key in ("torch", "fastdist"):
         if theirs.get(key) != mine[key]:
             raise RendezvousConnectionError(
@@ -297,7 +310,18 @@ def _rendezvous(
                 break
             missing = [r for r in range(world_size) if not store.check([f"{prefix}/rank/{r}"])]
             # The first rank to decide writes the outcome; everyone reports that one.
-            missing = json.loads(store.compare_set(f"{prefix}/outcome", "", json.dumps(missing)))
+            try:
+                outcome = json.loads(store.compare_set(f"{prefix}/outcome", "", json.dumps(missing)))
+            except ValueError:
+                outcome = None
+            if isinstance(outcome, list) and all(
+                isinstance(r, int) and not isinstance(r, bool) for r in outcome
+            ):
+                missing = outcome
+            else:  # not a rendezvous of fastdist's wrote it: say what this rank saw itself
+                logger.warning(
+                    "rank %d: the rendezvous outcome in the store is not fastdist's; ignoring it", rank
+                )
             read = store.add(f"{prefix}/read", 1)
             joined = world_size - len(missing)
             if hosts_store:
