@@ -292,7 +292,9 @@ def reset_fsdp() -> int:
         return 0
     import gc
 
-    roots = [m for m in gc.get_objects() if isinstance(m, FSDPModule) and _fsdp_is_root(m)]
+    # type(), not isinstance(): isinstance reads __class__, which some objects in the heap answer
+    # with a warning (torch's deprecated torch.distributed.reduce_op).
+    roots = [m for m in gc.get_objects() if issubclass(type(m), FSDPModule) and _fsdp_is_root(m)]
     for m in roots:
         if not hasattr(m, "reset_iter_state"):  # torch before 2.11: reshard what can be
             m.reshard()
