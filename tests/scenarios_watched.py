@@ -473,3 +473,56 @@ def fork_child_exits(ctx) -> None:
         _, status = os.waitpid(pid, 0)
         ctx.record("child", seconds=time.monotonic() - t0, status=status)
     fastdist.barrier(timeout=20)
+
+
+def load_batch(ctx, key: str) -> int:
+    """Rank 2's stand-in for a data loader that never returns: a Python loop, in no collective,
+    until the test lets it go (the report must name this function and its line)."""
+    n = 0
+    while not ctx.store.check([key]):
+        n += sum(range(2000))
+    return n
+
+
+def where_stuck(ctx) -> None:
+    """3 ranks. A: rank 2 loops in load_batch; rank 0's barrier(timeout=1) times out while rank 1
+    waits in an all_reduce with a 60 s deadline: rank 1 must raise at once with rank 0, and rank
+    0's error must say where ranks 1 and 2 are. B: rank 2 is stopped (SIGSTOP) for 4 s: the
+    report says it did not answer. Everyone recovers after each."""
+    ctx.init()
+    fastdist.barrier(timeout=30)
+    if ctx.rank == 2:
+        load_batch(ctx, "go_a")
+    else:
+        t0 = time.monotonic()
+        try:
+            if ctx.rank == 0:
+                fastdist.barrier(timeout=1)
+            else:
+                fastdist.all_reduce(torch.ones(1), timeout=60)
+            ctx.record("a_no_error")
+        except fastdist.FastdistError as e:
+            ctx.record(
+                "a",
+                type=type(e).__name__,
+                message=str(e),
+                elapsed=time.monotonic() - t0,
+                stacks={str(k): v for k, v in (getattr(e, "stacks", None) or {}).items()},
+                missing=getattr(e, "missing_ranks", None),
+            )
+        if ctx.rank == 0:
+            ctx.store.set("go_a", "1")
+    fastdist.recover(timeout=30)
+    fastdist.barrier(timeout=30)
+    ctx.record("recovered_a")
+    if ctx.rank == 2:
+        _stop_for(4.0)
+    else:
+        try:
+            fastdist.barrier(timeout=1)
+            ctx.record("b_no_error")
+        except fastdist.CollectiveTimeoutError as e:
+            ctx.record("b", message=str(e), missing=e.missing_ranks)
+    fastdist.recover(timeout=30)
+    fastdist.barrier(timeout=30)
+    ctx.record("recovered_b")

@@ -3,7 +3,9 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "watched.h"
 
@@ -102,6 +104,35 @@ PYBIND11_MODULE(_watched, m) {
       .def_property_readonly("seq", [](const WatchedBackend& b) { return b.ctl()->seq(); })
       .def_property_readonly("dead", [](const WatchedBackend& b) { return b.ctl()->dead(); })
       .def_property_readonly("dead_reason", [](const WatchedBackend& b) { return b.ctl()->dead_reason(); })
+      // The ops in flight on the group, oldest first: (op, seq, issuing thread, start).
+      .def("inflight_ops",
+           [](const WatchedBackend& b) {
+             std::vector<std::tuple<std::string, std::uint64_t, unsigned long, double>> out;
+             for (auto& w : b.ctl()->inflight()) {
+               if (w->ended()) continue;
+               out.emplace_back(w->op_name(), w->op_seq(), w->issuing_thread(), nanos_to_seconds(w->op_start()));
+             }
+             std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return std::get<1>(x) < std::get<1>(y); });
+             return out;
+           })
+      // A peer reported a fault on the group (`detail`: its record): the oldest op in flight fails
+      // with the error the builder makes of it, and every other op with it (the group's fault);
+      // with none in flight, the group is only marked dead (`reason`). True if an op was failed.
+      .def(
+          "fail_remote",
+          [](const WatchedBackend& b, const std::string& detail, const std::string& reason) {
+            c10::intrusive_ptr<WatchedWork> oldest;
+            for (auto& w : b.ctl()->inflight()) {
+              if (!w->ended() && (!oldest || w->op_seq() < oldest->op_seq())) oldest = w;
+            }
+            if (!oldest) {
+              b.ctl()->mark_dead(reason);
+              return false;
+            }
+            oldest->fail_remote(detail);
+            return true;
+          },
+          py::arg("detail"), py::arg("reason"), py::call_guard<py::gil_scoped_release>())
       .def_property(
           "default_timeout",
           [](const WatchedBackend& b) { return nanos_to_seconds(b.ctl()->default_timeout.load()); },

@@ -198,7 +198,10 @@ std::exception_ptr GroupCtl::fault(const FaultInfo& info) {
   if (!dead_) {
     dead_ = true;
     dead_reason_ = info.op + " #" + std::to_string(info.seq) + " " +
-                   (info.kind == "timeout" ? "timed out" : info.kind == "interrupted" ? "was interrupted" : "failed") +
+                   (info.kind == "timeout"       ? "timed out"
+                    : info.kind == "interrupted" ? "was interrupted"
+                    : info.kind == "remote"      ? "ended by a peer's fault"
+                                                 : "failed") +
                    " on rank " + std::to_string(rank);
   }
   if (fault_state_ == 2) return fault_error_;
@@ -344,7 +347,7 @@ void set_main_thread(unsigned long ident) { g_main_thread.store(ident); }
 WatchedWork::WatchedWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<GroupCtl> ctl, const char* op,
                          std::uint64_t seq, Nanos start, Nanos deadline, c10d::OpType type)
     : c10d::Work(ctl->rank, type), inner_(std::move(inner)), ctl_(std::move(ctl)), op_(op), seq_(seq), start_(start),
-      deadline_(deadline) {
+      deadline_(deadline), thread_(static_cast<unsigned long>(pthread_self())) {
   try {
     inner_fut_ = inner_->getFuture();
   } catch (const std::exception&) {
@@ -427,6 +430,15 @@ void WatchedWork::arm() {
       self.reset();
     });
   }
+}
+
+bool WatchedWork::ended() const {
+  std::lock_guard<std::mutex> lk(wmu_);
+  return done_;
+}
+
+std::exception_ptr WatchedWork::fail_remote(const std::string& detail) {
+  return ctl_->fault(info("remote", detail, false));
 }
 
 FaultInfo WatchedWork::info(const std::string& kind, const std::string& detail, bool waiter) const {

@@ -156,6 +156,16 @@ class WatchedWork : public c10d::Work {
   // KeyboardInterrupt); returns false when nobody waits (the op must be ended for torch's waiter).
   bool wake_waiter();
 
+  // What a peer's fault report asks about this op: which op, and the thread that issued it.
+  const char* op_name() const { return op_; }
+  std::uint64_t op_seq() const { return seq_; }
+  Nanos op_start() const { return start_; }
+  unsigned long issuing_thread() const { return thread_; }
+  bool ended() const;
+  // A peer reported a fault on the group: fails this op (and, through the group's fault, every
+  // other op in flight) with the error built for `detail` (the peer's record).
+  std::exception_ptr fail_remote(const std::string& detail);
+
 
  private:
   FaultInfo info(const std::string& kind, const std::string& detail, bool waiter) const;
@@ -169,6 +179,7 @@ class WatchedWork : public c10d::Work {
   const std::uint64_t seq_;
   const Nanos start_;
   const Nanos deadline_;
+  const unsigned long thread_;  // pthread id (= Python's threading.get_ident()) of the issuer
   std::shared_ptr<Token> token_;
   c10::intrusive_ptr<c10::ivalue::Future> inner_fut_;  // null for posted ops (gloo send/recv)
   c10::intrusive_ptr<c10::ivalue::Future> fut_;        // ours: completed when the op ends

@@ -73,6 +73,7 @@ def timeout_error(
         desynced=None if rep is None else rep.desynced,
         last_seen=last_seen,
         cause=cause,
+        stacks=None if rep is None else rep.stacks,
     )
 
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import atexit
 import copy
+import json
 import logging
+import math
 import os
 import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup
@@ -32,6 +34,9 @@ from . import _core, _groups, _verdict, _watched, diagnostics
 from ._timeouts import get_default_timeout, run_timeout_handler
 from ._work import run_handler_unwaited
 from .errors import CollectiveTimeoutError, FastdistError, GroupAbortedError
+
+if TYPE_CHECKING:
+    from ._groups import GroupState
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +180,8 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         # runs as soon as the main thread is back in Python, a moment later (raising one here too
         # would give two).
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+    if kind == "remote":
+        return _remote_fault(pg, st, op, seq, start, deadline, last_seen, info)
     text = _verdict.first_line(info["detail"] or "")
     verdict = _verdict.classify(text)
     if kind == "timeout" or verdict == _verdict.TIMEOUT:
@@ -203,6 +210,60 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         return err
     reason = f"{op} #{seq} failed on rank {st.my_global_rank}: {text or 'backend error'}"
     _groups.mark_dead(pg, reason)
+    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+
+
+def _remote_fault(
+    pg: Any,
+    st: GroupState,
+    op: str,
+    seq: int,
+    start: float,
+    deadline: float,
+    last_seen: str | None,
+    info: dict[str, Any],
+) -> BaseException:
+    """A peer reported a fault on the group (fastdist._bell) while this rank's op ``seq`` was in
+    flight. In the same op: the same timeout, with the same report (everyone raises together).
+    In another: the group is dead under this op; say whose fault it was."""
+    try:
+        peer = json.loads(info["detail"])
+    except ValueError:
+        peer = {}
+    who = f"rank {peer.get('rank', '?')}"
+    what = f"{peer.get('op', '?')} #{peer.get('seq', '?')}"
+    if peer.get("op") == op and peer.get("seq") == seq:
+        _groups.mark_dead(pg, f"{op} #{seq} timed out on {who}")
+        if st.polled:
+            from . import _polled
+
+            _polled.abort_group(
+                pg,
+                st.is_default,
+                _verdict.timeout_error(
+                    st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
+                ),
+            )
+        rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0)
+        err = _verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, f"{who} timed out first")
+        _run_handler(err, info["waiter"])
+        return err
+    verb = "timed out in" if peer.get("state") == "timed_out" else "failed in"
+    reason = f"{who} {verb} {what} and aborted group {st.name!r} while this rank was in {op} #{seq}"
+    _groups.mark_dead(pg, reason)
+    if st.polled:
+        from . import _polled
+
+        _polled.abort_group(
+            pg,
+            st.is_default,
+            GroupAbortedError(
+                op=op,
+                group=st.name,
+                rank=st.my_global_rank,
+                reason=reason + "; aborting the communicators hung",
+            ),
+        )
     return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
 
 
@@ -324,6 +385,9 @@ def _at_exit() -> None:
     # while Python still runs.
     if not _active:
         return
+    from . import _bell
+
+    _bell.stop()
     end = time.monotonic() + EXIT_DRAIN_SECONDS
     while _watched.abandoned_inflight() > 0 and time.monotonic() < end:
         time.sleep(0.002)

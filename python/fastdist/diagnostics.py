@@ -1,24 +1,32 @@
-"""Who is missing, and who is doing something else: the report made when a collective fails.
+"""Who is missing, who is elsewhere, and where: the report made when a collective fails.
 
 Nothing here runs on the fast path: a healthy collective never touches the store. When a
-collective times out (or a peer closes the group), each rank that noticed writes one status
-record for the group's current generation (the op and sequence number it is in) to the group's
-store, then waits a short window for the others' records:
+collective times out (or a peer closes the group), each rank that noticed posts one status record
+for the group's current generation (the op and sequence number it is in) to the group's store.
+The first one to post also rings every other live rank of the group (fastdist._bell): each of
+them posts where it is (the op it is in, if any, and the Python stack of the thread that issued
+it, or of its main thread) and ends its own op on the group at once. Then each reporting rank
+waits, without polling, until every rank has posted or the window has passed:
 
-- a rank that wrote the same op and sequence number arrived and is stuck with us;
-- a rank that wrote another op or sequence number is alive but desynced (it is in that op);
-- a rank that wrote nothing within the window never arrived (hung, stopped, dead, or busy
-  elsewhere without a deadline).
+- a rank that posted the same op and sequence number arrived and is stuck with us;
+- a rank that posted another op or sequence number is alive but desynced (it is in that op);
+- a rank that posted no op never arrived: its stack says where it is instead;
+- a rank that posted nothing within the window did not answer (stopped, dead, or holding the
+  GIL in a long C call) and never arrived.
 
-Every rank reads the same records, so every rank that times out gets the same report: no
-circular blame. The window is min(1 s, 10% of the timeout), and ends early once every rank of the
-group has written.
+Store work is O(1) per rank: a compare-and-set, an append to one key, an add, a blocking wait on
+one key and one read; the ring goes down a binary tree of the group's ranks (two store
+operations per rank). Every rank reads the same records, so every rank that times out gets the
+same report: no circular blame. The window is min(1 s, 10% of the timeout), and ends early once
+every rank of the group has posted.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,9 +54,17 @@ def store_gone_reason() -> str:
 
 
 # A rank's status record: what report() writes, and checks before it believes one.
-_STATUS_FIELDS: dict[str, type | tuple[type, ...]] = {"op": str, "seq": int, "state": str, "t": (int, float)}
-_STATES = ("timed_out", "aborted")
-_INVALID: dict[str, Any] = {}
+_STATUS_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "rank": int,
+    "op": str,
+    "seq": int,
+    "state": str,
+    "t": (int, float),
+}
+# "elsewhere": a rank that was rung while in no op on the group; "in_op": one that was in
+# another op (or the same one) when it was rung.
+_STATES = ("timed_out", "aborted", "elsewhere", "in_op")
+_MAX_FRAMES = 6
 
 MAX_WINDOW_SECONDS = 1.0
 WINDOW_FRACTION = 0.1
@@ -57,45 +73,78 @@ _POLL_SECONDS = 0.005
 
 @dataclass
 class Report:
-    missing: list[int] = field(default_factory=list)  # global ranks that never reported
+    missing: list[int] = field(default_factory=list)  # global ranks that never reached the op
     desynced: dict[int, str] = field(default_factory=dict)  # global rank -> "op #seq"
     timed_out: list[int] = field(default_factory=list)  # global ranks whose own deadline passed
     first_timeout_wall: float | None = None  # time.time() of the earliest of those timeouts
+    # Global rank -> innermost frames ("file:line in function") of a rank that answered from
+    # elsewhere; ranks of ``missing`` absent from it did not answer.
+    stacks: dict[int, list[str]] = field(default_factory=dict)
 
 
 def window(budget: float) -> float:
     return min(MAX_WINDOW_SECONDS, WINDOW_FRACTION * max(budget, 0.0))
 
 
+def _prefix(st: GroupState) -> str:
+    return _keys.key("diag", st.name, st.generation)
+
+
+# (group name, generation) pairs this process has posted its status for: once each, so that the
+# count of posting ranks is exact (a rank can both time out and be rung by a peer).
+_posted: set[tuple[str, int]] = set()
+_posted_lock = threading.Lock()
+
+
+def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bool:
+    """Appends this rank's status record to the group's board, once per generation: one append
+    and one add; the rank that completes the count sets the key the reporters wait on. False if
+    this rank had posted already."""
+    with _posted_lock:
+        if (st.name, st.generation) in _posted:
+            return False
+        _posted.add((st.name, st.generation))
+    store = st.store if store is None else store
+    prefix = _prefix(st)
+    store.append(f"{prefix}/status", json.dumps(record) + "\n")
+    if store.add(f"{prefix}/count", 1) >= st.size:
+        store.set(f"{prefix}/complete", "all")
+    return True
+
+
 def report(
     st: GroupState, op: str, seq: int, state: str, budget: float, until: float | None = None
 ) -> Report | None:
-    """Publishes this rank's status (``state``: ``"timed_out"`` or ``"aborted"``) and collects the
-    group's, for the window after now, or after ``until`` (a ``time.monotonic()`` value) when
-    given. ``None`` when the group has no store or the store cannot be reached.
+    """Publishes this rank's status (``state``: ``"timed_out"`` or ``"aborted"``), rings the
+    group's other ranks if no one has yet, and collects everyone's status for the window after
+    now, or after ``until`` (a ``time.monotonic()`` value) when given. ``None`` when the group has
+    no store or the store cannot be reached."""
+    from . import _bell
 
-    A rank whose peer closed the group early passes its own deadline as ``until``: the ranks still
-    waiting in the op report by then, and without them it would blame live ranks as missing."""
     store = st.store
     if store is None or st.size <= 1:
         return Report() if st.size <= 1 else None
-    prefix = _keys.key("diag", st.name, st.generation)
-    me = {"op": op, "seq": seq, "state": state, "t": time.time()}
+    prefix = _prefix(st)
+    me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time()}
+    waiter = None
+    closer = None
     try:
-        store.set(f"{prefix}/status/{st.rank}", json.dumps(me))
-        count = store.add(f"{prefix}/count", 1)
+        mine = json.dumps(me)
+        if store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
+            _bell.ring(st, me)  # the first to report: every other live rank learns it now
+        post_status(st, me)  # (a no-op when this rank was rung first and has posted already)
+        # Wait without polling on a connection of its own (a blocking wait holds its client),
+        # until everyone posted or the window closes: whichever rank's window ends first closes
+        # it for all.
         end = max(time.monotonic(), until or 0.0) + window(budget)
-        while count < st.size and time.monotonic() < end:
-            time.sleep(_POLL_SECONDS)
-            count = store.add(f"{prefix}/count", 0)
-        records: dict[int, dict[str, Any]] = {}
-        for r in range(st.size):
-            key = f"{prefix}/status/{r}"
-            if r == st.rank:
-                records[r] = me
-            elif store.check([key]):
-                rec = _keys.parse_record(store.get(key), _STATUS_FIELDS)
-                records[r] = rec if rec is not None and rec["state"] in _STATES else _INVALID
+        closer = _bell.close_window_at(st, f"{prefix}/complete", end)
+        waiter = _bell.connection(store)
+        if waiter is not None:
+            waiter.wait([f"{prefix}/complete"], datetime.timedelta(seconds=end - time.monotonic() + 5.0))
+        else:  # a store that cannot give a second connection (a Python store): poll it
+            while not store.check([f"{prefix}/complete"]) and time.monotonic() < end:
+                time.sleep(_POLL_SECONDS)
+        raw = store.get(f"{prefix}/status")
     except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
         global store_failure
         store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -103,21 +152,46 @@ def report(
             "rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, store_failure
         )
         return None
+    finally:
+        if closer is not None:
+            closer.cancel()
+        del waiter
+    records: dict[int, dict[str, Any]] = {st.rank: me}
+    invalid = 0
+    for line in raw.decode(errors="replace").splitlines():
+        rec = _keys.parse_record(line, _STATUS_FIELDS)
+        if rec is None or rec["state"] not in _STATES or not 0 <= rec["rank"] < st.size:  # type: ignore[operator]
+            invalid += 1  # not fastdist's: see the README's Security section
+            continue
+        records.setdefault(rec["rank"], rec)  # type: ignore[arg-type]
+    if invalid:
+        logger.warning(
+            "rank %d: ignored %d invalid status record(s) in the store (is something else using it?)",
+            st.my_global_rank,
+            invalid,
+        )
+    return _judge(st, op, seq, records)
+
+
+def _judge(st: GroupState, op: str, seq: int, records: dict[int, dict[str, Any]]) -> Report:
     out = Report()
     for r in range(st.size):
         rec = records.get(r)
         g = st.global_rank(r)
         if rec is None:
-            out.missing.append(g)
+            out.missing.append(g)  # did not answer
             continue
-        if rec is _INVALID:
-            out.desynced[g] = "an invalid status record (not fastdist's: is something else using this store?)"
+        stack = rec.get("stack")
+        if isinstance(stack, list) and stack:
+            out.stacks[g] = [str(f) for f in stack[:_MAX_FRAMES]]
+        if rec["op"] == "" and rec["state"] == "elsewhere":
+            out.missing.append(g)  # alive, but not in any op on the group
             continue
         if (rec["op"], rec["seq"]) != (op, seq):
             out.desynced[g] = f"{rec['op']} #{rec['seq']}"
         if rec["state"] == "timed_out" and r != st.rank:
             out.timed_out.append(g)
-            t = float(rec["t"])  # type: ignore[arg-type]  # checked: int or float
+            t = float(rec["t"])
             out.first_timeout_wall = t if out.first_timeout_wall is None else min(out.first_timeout_wall, t)
     return out
 

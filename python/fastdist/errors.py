@@ -85,7 +85,9 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
     ranks that never reached this collective; ``None`` when no report could be made),
     ``desynced`` (global rank -> what it is doing instead, e.g. ``"barrier #57"``, for ranks that
     are alive but in another collective), ``last_seen`` (the collective every rank last completed
-    together) and ``cause`` (what the backend said, if the backend noticed first).
+    together), ``cause`` (what the backend said, if the backend noticed first) and ``stacks``
+    (global rank -> its innermost Python frames, ``"file:line in function"``, for each rank that
+    was elsewhere and answered; a missing rank absent from it did not answer).
     """
 
     _fields = (
@@ -100,6 +102,7 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
         "desynced",
         "last_seen",
         "cause",
+        "stacks",
     )
 
     op: str
@@ -113,6 +116,7 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
     desynced: dict[int, str] | None
     last_seen: str | None
     cause: str | None
+    stacks: dict[int, list[str]] | None = None
 
     def _message(self) -> str:
         what = self.op if self.seq is None else f"{self.op} #{self.seq}"
@@ -140,7 +144,23 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
             text += ": " + "; ".join(parts)
         if self.cause:
             text += f" [{self.cause}]"
-        return text
+        return text + self._where()
+
+    def _where(self) -> str:
+        """One line per rank that was not in this op: where it is, or that it did not answer."""
+        if self.stacks is None:
+            return ""
+        lines = []
+        for r in sorted(set(self.missing_ranks or []) | set(self.desynced or {})):
+            frames = self.stacks.get(r)
+            where = " <- ".join(frames) if frames else ""
+            if r in (self.desynced or {}):
+                lines.append(f"rank {r} is in {(self.desynced or {})[r]}" + (f": {where}" if where else ""))
+            elif frames:
+                lines.append(f"rank {r} is not in a collective: {where}")
+            else:
+                lines.append(f"rank {r} did not answer (stopped, dead, or holding the GIL in a long C call)")
+        return "".join(f"\n  {line}" for line in lines)
 
 
 class CollectiveMismatchError(FastdistError, ValueError):

@@ -133,6 +133,9 @@ def init_process_group(
         **kwargs,
     )
     _lineage.update(backend=dist.get_backend(), timeout=td, root=dist.distributed_c10d._get_default_store())
+    from . import _bell
+
+    _bell.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
 
 
 def _tcp_target(init_method: str | None, store: Any | None) -> tuple[str, int] | None:
@@ -355,9 +358,10 @@ def _forget_generation(store: Any, st: _groups.GroupState, gen: int) -> None:
         return
     rec = _keys.key("recover", st.name, gen)
     diag = _keys.key("diag", st.name, gen)
-    doomed = [f"{rec}/count", f"{rec}/final", f"{diag}/count"]
+    doomed = [f"{rec}/count", f"{rec}/final"] + [
+        f"{diag}/{k}" for k in ("fault", "status", "count", "complete")
+    ]
     doomed += [f"{rec}/member/{i}" for i in range(1, st.size + 1)]
-    doomed += [f"{diag}/status/{r}" for r in range(st.size)]
     for k in doomed:
         try:
             store.delete_key(k)

@@ -1,0 +1,246 @@
+"""Fault propagation: when one rank's op on a group fails, every other live rank of the group
+learns it at once, says where it is, and ends its own op on the group.
+
+Each process runs one listener thread (started by ``fastdist.init_process_group``) blocked on its
+own store connection, waiting for the next key of its inbox (``inbox/RANK/K``): an idle rank
+makes no wake-ups and no store traffic. The first rank to report a fault on a group (the one
+whose compare-and-set on the group's ``fault`` key wins, see fastdist.diagnostics) rings its
+group: the ring goes down a binary tree of the group's ranks, rooted at the ringer, each rank
+forwarding it to its two children, so every rank does O(1) store operations and the last one
+hears it after about log2(N) hops. A rung rank posts its status (the op it is in on that group,
+and the Python stack of the thread that issued it, or of its main thread when it is in none) to
+the group's board, then fails its ops in flight on the group (their waiters raise at once; on
+NCCL the communicators are aborted) or, with none in flight, marks the group dead.
+
+What is and is not possible: a rank stopped (SIGSTOP), dead, or holding the GIL in a long C call
+cannot answer; the report says it did not answer. On gloo an op in flight cannot be aborted:
+fastdist ends the op for its caller at once, while gloo's worker finishes it at its own per-call
+timeout, shortly after.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from . import _keys
+from ._timeouts import engine
+
+if TYPE_CHECKING:
+    from ._groups import GroupState
+
+logger = logging.getLogger(__name__)
+
+_FOREVER = datetime.timedelta(days=3650)
+_RING_FIELDS: dict[str, type | tuple[type, ...]] = {"kind": str}
+_FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "kind": str,
+    "group": str,
+    "gen": int,
+    "root": int,
+    "rank": int,
+    "op": str,
+    "seq": int,
+}
+_MAX_FRAMES = 6
+_SKIP = (os.sep + "torch" + os.sep, os.sep + "fastdist" + os.sep, "<frozen ", os.sep + "threading.py")
+
+_lock = threading.Lock()
+_listener: _Listener | None = None
+
+
+def connection(store: Any) -> Any | None:
+    """A connection of its own to ``store`` for a blocking wait (a wait holds its client), or
+    None for a store that cannot make one (a Python store): then the caller polls."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _inbox(global_rank: int, k: int | str) -> str:
+    return _keys.key("inbox", global_rank, k)
+
+
+def _deliver(store: Any, global_rank: int, record: str) -> None:
+    n = store.add(_inbox(global_rank, "count"), 1)
+    store.set(_inbox(global_rank, n), record)
+
+
+def _children(st: GroupState, root: int) -> list[int]:
+    """This rank's children in the ring tree rooted at group rank ``root``, as global ranks."""
+    pos = (st.rank - root) % st.size
+    return [st.global_rank((root + c) % st.size) for c in (2 * pos + 1, 2 * pos + 2) if c < st.size]
+
+
+def ring(st: GroupState, status: dict[str, Any]) -> None:
+    """Rings the group of ``st``: this rank reported its fault first (``status``: its record)."""
+    if st.store is None:
+        return
+    record = json.dumps(
+        {
+            "kind": "fault",
+            "group": st.name,
+            "gen": st.generation,
+            "root": st.rank,
+            "rank": st.my_global_rank,
+            "op": status["op"],
+            "seq": status["seq"],
+            "state": status["state"],
+        }
+    )
+    for child in _children(st, st.rank):
+        _deliver(st.store, child, record)
+
+
+def close_window_at(st: GroupState, key: str, end: float) -> Any | None:
+    """At ``end`` (time.monotonic()), closes the report window of the group by setting ``key`` if
+    nobody did: every reporter waiting on it wakes. Returns the engine token (cancel it after)."""
+    store = st.store
+    from ._core import monotonic
+
+    if store is None:
+        return None
+
+    def close() -> None:
+        try:
+            store.compare_set(key, "", "window")
+        except Exception as exc:  # noqa: BLE001 - the reporters' own wait ends later anyway
+            logger.debug("fastdist: closing the report window failed: %r", exc)
+
+    import time
+
+    return engine().add(monotonic() + max(0.0, end - time.monotonic()), close)
+
+
+def start(store: Any, global_rank: int) -> None:
+    """Starts this process's listener on its own connection to ``store`` (idempotent)."""
+    global _listener
+    with _lock:
+        if _listener is not None and _listener.is_alive():
+            return
+        try:
+            conn = store.clone()
+        except (AttributeError, RuntimeError):
+            logger.debug("fastdist: this store cannot be cloned; faults are not propagated")
+            return
+        _listener = _Listener(store, conn, global_rank)
+        _listener.start()
+
+
+def stop(timeout: float = 1.0) -> None:
+    """Ends the listener: rings its own inbox (waking only itself) and joins it, bounded."""
+    global _listener
+    with _lock:
+        listener, _listener = _listener, None
+    if listener is None or not listener.is_alive():
+        return
+    try:
+        _deliver(listener.store, listener.rank, json.dumps({"kind": "exit"}))
+    except Exception as exc:  # noqa: BLE001 - the store is gone: so is the listener's wait
+        logger.debug("fastdist: could not wake the listener: %r", exc)
+    listener.join(timeout)
+
+
+class _Listener(threading.Thread):
+    def __init__(self, store: Any, conn: Any, rank: int) -> None:
+        super().__init__(name="fastdist-bell", daemon=True)
+        self.store = store  # for short operations (posting, forwarding)
+        self.conn = conn  # this thread's own, for its blocking wait
+        self.rank = rank
+        self.k = 1
+
+    def run(self) -> None:
+        while True:
+            key = _inbox(self.rank, self.k)
+            try:
+                self.conn.wait([key], _FOREVER)
+                raw = self.conn.get(key)
+                self.conn.delete_key(key)
+            except Exception as exc:  # noqa: BLE001 - the store went away (job end, host died)
+                logger.debug("fastdist: the fault listener stops: %r", exc)
+                return
+            self.k += 1
+            rec = _keys.parse_record(raw, _RING_FIELDS)
+            if rec is None:
+                continue
+            if rec["kind"] == "exit":
+                return
+            fault = _keys.parse_record(raw, _FAULT_FIELDS)
+            if fault is None:
+                continue
+            try:
+                _handle(self.store, fault, raw)
+            except Exception as exc:  # noqa: BLE001 - a listener must outlive one bad fault
+                logger.warning("fastdist: handling a peer's fault failed: %r", exc)
+
+
+def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
+    from . import _groups, _watch, diagnostics
+
+    for pg in _watch.watched_groups():
+        st = _groups.state_of(pg)
+        if st.name != fault["group"] or st.generation != fault["gen"]:
+            continue
+        record = raw.decode() if isinstance(raw, bytes) else str(raw)
+        for child in _children(st, fault["root"]):
+            _deliver(store, child, record)
+        backends = _watch.backends_of(pg)
+        inflight = sorted((op for b in backends for op in b.inflight_ops()), key=lambda o: o[1])
+        if inflight:
+            op, seq, thread, _start = inflight[0]
+            status = {
+                "rank": st.rank,
+                "op": op,
+                "seq": seq,
+                "state": "in_op",
+                "t": _now(),
+                "stack": stack_of(thread),
+            }
+        else:
+            main = threading.main_thread().ident or 0
+            status = {
+                "rank": st.rank,
+                "op": "",
+                "seq": 0,
+                "state": "elsewhere",
+                "t": _now(),
+                "stack": stack_of(main),
+            }
+        diagnostics.post_status(st, status, store)
+        verb = "timed out in" if fault.get("state") == "timed_out" else "failed in"
+        reason = (
+            f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']} and aborted group {st.name!r} "
+            "while this rank was in no op on it"
+        )
+        for b in backends:
+            b.fail_remote(record, reason)
+        if not inflight:
+            _groups.mark_dead(pg, reason)
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
+
+
+def stack_of(thread_ident: int) -> list[str]:
+    """The innermost frames of a thread, innermost first, as ``file:line in function``: the
+    caller's own code first (torch's and fastdist's frames are left out unless nothing else is)."""
+    frame = sys._current_frames().get(thread_ident)
+    frames: list[str] = []
+    everything: list[str] = []
+    while frame is not None and len(frames) < _MAX_FRAMES:
+        code = frame.f_code
+        text = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        everything.append(text)
+        if not any(part in code.co_filename for part in _SKIP):
+            frames.append(text)
+        frame = frame.f_back
+    return frames or everything[:_MAX_FRAMES]
