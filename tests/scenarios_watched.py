@@ -510,6 +510,9 @@ def where_stuck(ctx) -> None:
                 stacks={str(k): v for k, v in (getattr(e, "stacks", None) or {}).items()},
                 missing=getattr(e, "missing_ranks", None),
             )
+        ctx.record(
+            "history_a", ops=[(o["seq"], o["op"], o["outcome"], o["shape"]) for o in fastdist.history()]
+        )
         if ctx.rank == 0:
             ctx.store.set("go_a", "1")
     fastdist.recover(timeout=30)

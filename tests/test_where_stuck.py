@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_the_error_says_where_each_rank_is_and_the_others_raise_at_once() -> None:
-    results = run_ranks("where_stuck", 3, timeout=90)
+def test_the_error_says_where_each_rank_is_and_the_others_raise_at_once(tmp_path) -> None:
+    dump_dir = tmp_path / "dumps"
+    results = run_ranks("where_stuck", 3, timeout=90, env={"FASTDIST_DUMP_DIR": str(dump_dir)})
     info = describe(results)
     for r in results:
         assert r.returncode == 0, info
@@ -28,3 +32,29 @@ def test_the_error_says_where_each_rank_is_and_the_others_raise_at_once() -> Non
     for r in results[:2]:
         b = r.record("b")
         assert b["missing"] == [2] and "rank 2 did not answer" in b["message"], info
+
+    # The history ring: what each rank issued, with shapes and outcomes.
+    assert results[0].record("history_a")["ops"] == [
+        [1, "barrier", "ok", None],
+        [2, "barrier", "timed_out", None],
+    ]
+    assert results[1].record("history_a")["ops"] == [
+        [1, "barrier", "ok", None],
+        [2, "all_reduce", "failed", [1]],
+    ]
+    # The dumps, merged: per rank its last ops, and where the ranks diverged.
+    report = subprocess.run(
+        [sys.executable, "-m", "fastdist", "report", str(dump_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert report.returncode == 0, report.stdout + report.stderr
+    text = report.stdout
+    assert "group 'default', generation 0: dumps from ranks 0, 1" in text, text
+    assert (
+        "first divergence: op #2: the ranks issued different ops (rank 0: barrier, rank 1: all_reduce)"
+        in text
+    )
+    assert "group 'default', generation 1: dumps from ranks 0, 1" in text, text
+    assert "op #1 (barrier): finished on" not in text  # generation 1: both timed out in the same op

@@ -104,6 +104,33 @@ PYBIND11_MODULE(_watched, m) {
       .def_property_readonly("seq", [](const WatchedBackend& b) { return b.ctl()->seq(); })
       .def_property_readonly("dead", [](const WatchedBackend& b) { return b.ctl()->dead(); })
       .def_property_readonly("dead_reason", [](const WatchedBackend& b) { return b.ctl()->dead_reason(); })
+      // The group's last 64 ops, oldest first (fastdist.history).
+      .def("history",
+           [](const WatchedBackend& b) {
+             py::list out;
+             static const char* outcomes[] = {"pending", "ok", "timed_out", "failed"};
+             for (const auto& r : b.ctl()->history()) {
+               py::dict d;
+               d["seq"] = r.seq;
+               d["op"] = r.op;
+               d["thread"] = r.thread;
+               d["start"] = nanos_to_seconds(r.start);
+               d["end"] = r.end ? py::object(py::float_(nanos_to_seconds(r.end))) : py::object(py::none());
+               d["outcome"] = outcomes[static_cast<int>(r.outcome)];
+               d["tensors"] = r.tensors;
+               if (r.dtype >= 0) {
+                 d["dtype"] = std::string(c10::toString(static_cast<c10::ScalarType>(r.dtype)));
+                 py::list shape;
+                 for (std::uint8_t i = 0; i < r.ndim; ++i) shape.append(r.shape[i]);
+                 d["shape"] = shape;
+               } else {
+                 d["dtype"] = py::none();
+                 d["shape"] = py::none();
+               }
+               out.append(d);
+             }
+             return out;
+           })
       // The ops in flight on the group, oldest first: (op, seq, issuing thread, start).
       .def("inflight_ops",
            [](const WatchedBackend& b) {

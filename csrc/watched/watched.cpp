@@ -132,24 +132,55 @@ void set_fault_builder(FaultBuilder b) { builder() = std::move(b); }
 // ---------------------------------------------------------------------------------------------
 // GroupCtl
 
-std::uint64_t GroupCtl::begin(const char* op) {
+std::uint64_t GroupCtl::begin(const char* op, Nanos start, c10::ArrayRef<at::Tensor> ins) {
+  OpRecord rec;
+  rec.op = op;
+  rec.thread = static_cast<unsigned long>(pthread_self());
+  rec.start = start;
+  rec.tensors = static_cast<std::uint32_t>(ins.size());
+  if (!ins.empty() && ins[0].defined()) {
+    rec.dtype = static_cast<std::int8_t>(ins[0].scalar_type());
+    rec.ndim = static_cast<std::uint8_t>(std::min<std::int64_t>(ins[0].dim(), OpRecord::kDims));
+    for (std::uint8_t d = 0; d < rec.ndim; ++d) rec.shape[d] = ins[0].size(d);
+  }
   std::lock_guard<std::mutex> lk(mu_);
   const std::uint64_t s = ++seq_;
-  ring_[s % kRing] = op;
+  rec.seq = s;
+  ring_[s % kRing] = rec;
   return s;
+}
+
+void GroupCtl::end(std::uint64_t seq, Outcome outcome) {
+  const Nanos now = steady_now();
+  std::lock_guard<std::mutex> lk(mu_);
+  OpRecord& rec = ring_[seq % kRing];
+  if (rec.seq == seq && rec.outcome == Outcome::kPending) {
+    rec.end = now;
+    rec.outcome = outcome;
+  }
+}
+
+std::vector<OpRecord> GroupCtl::history() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<OpRecord> out;
+  const std::uint64_t first = seq_ >= kRing ? seq_ - kRing + 1 : 1;
+  for (std::uint64_t s = first; s <= seq_; ++s) {
+    if (ring_[s % kRing].seq == s) out.push_back(ring_[s % kRing]);
+  }
+  return out;
 }
 
 std::string GroupCtl::prev_of(std::uint64_t seq) {
   std::lock_guard<std::mutex> lk(mu_);
   const std::uint64_t prev = seq - 1;
-  if (seq < 2 || prev + kRing <= seq_ || ring_[prev % kRing] == nullptr) return "";
-  return std::string(ring_[prev % kRing]) + " #" + std::to_string(prev);
+  if (seq < 2 || prev + kRing <= seq_ || ring_[prev % kRing].seq != prev) return "";
+  return std::string(ring_[prev % kRing].op) + " #" + std::to_string(prev);
 }
 
 void GroupCtl::rollback(std::uint64_t seq) {
   std::lock_guard<std::mutex> lk(mu_);
   if (seq_ == seq) {
-    ring_[seq % kRing] = nullptr;
+    ring_[seq % kRing] = OpRecord{};
     --seq_;
   }
 }
@@ -185,7 +216,7 @@ void GroupCtl::revive() {
     dead_reason_.clear();
     // Every member starts the new generation at op 1, in step again.
     seq_ = 0;
-    std::fill(std::begin(ring_), std::end(ring_), nullptr);
+    std::fill(std::begin(ring_), std::end(ring_), OpRecord{});
     fault_state_ = 0;
     old = std::move(fault_error_);
     fault_error_ = nullptr;
@@ -457,6 +488,9 @@ FaultInfo WatchedWork::info(const std::string& kind, const std::string& detail, 
 void WatchedWork::finish_locked(std::exception_ptr error, std::unique_lock<std::mutex>& lk) {
   done_ = true;
   error_ = error;
+  ctl_->end(seq_, !error                                              ? Outcome::kOk
+                  : token_ && token_->state() == State::kExpired ? Outcome::kTimedOut
+                                                                 : Outcome::kFailed);
   if (error && !inner_ended_ && !ctl_->polled && !abandoned_) {
     abandoned_ = true;
     g_abandoned.fetch_add(1);
@@ -843,14 +877,15 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::watch(const char* op, c10d::OpTyp
 }
 
 template <typename Opts, typename Issue>
-c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue) {
+c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue,
+                                                   c10::ArrayRef<at::Tensor> ins) {
   refuse_if_dead(op);
   const Nanos now = steady_now();
   const Nanos deadline = deadline_for(now);
   if (deadline <= now) {
     // The deadline passed before the op was issued: this rank skips it, so the group is out of
     // step. Say so, as for a timeout.
-    const std::uint64_t seq = ctl_->begin(op);
+    const std::uint64_t seq = ctl_->begin(op, now, ins);
     FaultInfo fi;
     fi.kind = "timeout";
     fi.op = op;
@@ -874,7 +909,7 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
       if (o.timeout == c10d::kUnsetTimeout || t < o.timeout) o.timeout = t;
     }
   }
-  const std::uint64_t seq = ctl_->begin(op);
+  const std::uint64_t seq = ctl_->begin(op, now, ins);
   auto inner = this->inner();
   c10::intrusive_ptr<c10d::Work> work;
   try {
@@ -887,11 +922,12 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
 }
 
 template <typename Issue>
-c10::intrusive_ptr<c10d::Work> WatchedBackend::run_plain(const char* op, c10d::OpType type, Issue&& issue) {
+c10::intrusive_ptr<c10d::Work> WatchedBackend::run_plain(const char* op, c10d::OpType type, Issue&& issue,
+                                                         c10::ArrayRef<at::Tensor> ins) {
   struct NoOpts {
     std::chrono::milliseconds timeout = c10d::kUnsetTimeout;
   } none;
-  return run(op, type, none, [&](c10d::Backend& b, NoOpts&) { return issue(b); });
+  return run(op, type, none, [&](c10d::Backend& b, NoOpts&) { return issue(b); }, ins);
 }
 
 const std::string WatchedBackend::getBackendName() const {
@@ -914,43 +950,43 @@ c10::intrusive_ptr<c10d::Backend::Options> WatchedBackend::getBackendOptions() {
 c10::intrusive_ptr<c10d::Work> WatchedBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                          const c10d::BroadcastOptions& opts) {
   return run("broadcast", c10d::OpType::BROADCAST, opts,
-             [&](c10d::Backend& b, c10d::BroadcastOptions& o) { return b.broadcast(tensors, o); });
+             [&](c10d::Backend& b, c10d::BroadcastOptions& o) { return b.broadcast(tensors, o); }, tensors);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
   return run("all_reduce", c10d::OpType::ALLREDUCE, opts,
-             [&](c10d::Backend& b, c10d::AllreduceOptions& o) { return b.allreduce(tensors, o); });
+             [&](c10d::Backend& b, c10d::AllreduceOptions& o) { return b.allreduce(tensors, o); }, tensors);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                                 const c10d::AllreduceOptions& opts) {
   return run("all_reduce_sparse", c10d::OpType::ALLREDUCE, opts,
-             [&](c10d::Backend& b, c10d::AllreduceOptions& o) { return b.allreduce_sparse(tensors, o); });
+             [&](c10d::Backend& b, c10d::AllreduceOptions& o) { return b.allreduce_sparse(tensors, o); }, tensors);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                    const c10d::AllreduceCoalescedOptions& opts) {
   return run("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, opts,
-             [&](c10d::Backend& b, c10d::AllreduceCoalescedOptions& o) { return b.allreduce_coalesced(tensors, o); });
+             [&](c10d::Backend& b, c10d::AllreduceCoalescedOptions& o) { return b.allreduce_coalesced(tensors, o); }, tensors);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   return run("reduce", c10d::OpType::REDUCE, opts,
-             [&](c10d::Backend& b, c10d::ReduceOptions& o) { return b.reduce(tensors, o); });
+             [&](c10d::Backend& b, c10d::ReduceOptions& o) { return b.reduce(tensors, o); }, tensors);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllgatherOptions& opts) {
   return run("all_gather", c10d::OpType::ALLGATHER, opts,
-             [&](c10d::Backend& b, c10d::AllgatherOptions& o) { return b.allgather(outputs, inputs, o); });
+             [&](c10d::Backend& b, c10d::AllgatherOptions& o) { return b.allgather(outputs, inputs, o); }, inputs);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::AllgatherOptions& opts) {
   return run("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, opts,
-             [&](c10d::Backend& b, c10d::AllgatherOptions& o) { return b._allgather_base(output, input, o); });
+             [&](c10d::Backend& b, c10d::AllgatherOptions& o) { return b._allgather_base(output, input, o); }, input);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                    std::vector<at::Tensor>& inputs,
                                                                    const c10d::AllgatherOptions& opts) {
   return run("all_gather_coalesced", c10d::OpType::ALLGATHER_COALESCED, opts,
-             [&](c10d::Backend& b, c10d::AllgatherOptions& o) { return b.allgather_coalesced(outputs, inputs, o); });
+             [&](c10d::Backend& b, c10d::AllgatherOptions& o) { return b.allgather_coalesced(outputs, inputs, o); }, inputs);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                std::vector<at::Tensor>& inputs,
@@ -958,12 +994,12 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::allgather_into_tensor_coalesced(s
   return run("all_gather_into_tensor_coalesced", c10d::OpType::COALESCED, opts,
              [&](c10d::Backend& b, c10d::AllgatherOptions& o) {
                return b.allgather_into_tensor_coalesced(outputs, inputs, o);
-             });
+             }, inputs);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   return run("gather", c10d::OpType::GATHER, opts,
-             [&](c10d::Backend& b, c10d::GatherOptions& o) { return b.gather(outputs, inputs, o); });
+             [&](c10d::Backend& b, c10d::GatherOptions& o) { return b.gather(outputs, inputs, o); }, inputs);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::scatter(std::vector<at::Tensor>& outputs,
                                                        std::vector<std::vector<at::Tensor>>& inputs,
@@ -980,7 +1016,7 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::reduce_scatter(std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> WatchedBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                     const c10d::ReduceScatterOptions& opts) {
   return run("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, opts,
-             [&](c10d::Backend& b, c10d::ReduceScatterOptions& o) { return b._reduce_scatter_base(output, input, o); });
+             [&](c10d::Backend& b, c10d::ReduceScatterOptions& o) { return b._reduce_scatter_base(output, input, o); }, input);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                std::vector<at::Tensor>& inputs,
@@ -988,7 +1024,7 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::reduce_scatter_tensor_coalesced(s
   return run("reduce_scatter_tensor_coalesced", c10d::OpType::COALESCED, opts,
              [&](c10d::Backend& b, c10d::ReduceScatterOptions& o) {
                return b.reduce_scatter_tensor_coalesced(outputs, inputs, o);
-             });
+             }, inputs);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                              std::vector<int64_t>& outputSplitSizes,
@@ -996,13 +1032,13 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::alltoall_base(at::Tensor& output,
                                                              const c10d::AllToAllOptions& opts) {
   return run("all_to_all_single", c10d::OpType::ALLTOALL_BASE, opts, [&](c10d::Backend& b, c10d::AllToAllOptions& o) {
     return b.alltoall_base(output, input, outputSplitSizes, inputSplitSizes, o);
-  });
+  }, input);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                         std::vector<at::Tensor>& inputs,
                                                         const c10d::AllToAllOptions& opts) {
   return run("all_to_all", c10d::OpType::ALLTOALL, opts,
-             [&](c10d::Backend& b, c10d::AllToAllOptions& o) { return b.alltoall(outputs, inputs, o); });
+             [&](c10d::Backend& b, c10d::AllToAllOptions& o) { return b.alltoall(outputs, inputs, o); }, inputs);
 }
 void WatchedBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   inner()->monitoredBarrier(opts, waitAllRanks);
@@ -1010,13 +1046,13 @@ void WatchedBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wai
 void WatchedBackend::setSequenceNumberForGroup() { inner()->setSequenceNumberForGroup(); }
 uint64_t WatchedBackend::getSequenceNumberForGroup() { return inner()->getSequenceNumberForGroup(); }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  return run_plain("send", c10d::OpType::SEND, [&](c10d::Backend& b) { return b.send(tensors, dstRank, tag); });
+  return run_plain("send", c10d::OpType::SEND, [&](c10d::Backend& b) { return b.send(tensors, dstRank, tag); }, tensors);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  return run_plain("recv", c10d::OpType::RECV, [&](c10d::Backend& b) { return b.recv(tensors, srcRank, tag); });
+  return run_plain("recv", c10d::OpType::RECV, [&](c10d::Backend& b) { return b.recv(tensors, srcRank, tag); }, tensors);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return run_plain("recv", c10d::OpType::RECVANYSOURCE, [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); });
+  return run_plain("recv", c10d::OpType::RECVANYSOURCE, [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); }, tensors);
 }
 c10::intrusive_ptr<c10d::Work> WatchedBackend::barrier(const c10d::BarrierOptions& opts) {
   return run("barrier", c10d::OpType::BARRIER, opts,

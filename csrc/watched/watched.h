@@ -70,6 +70,24 @@ bool python_finalizing();
 using FaultBuilder = std::function<std::exception_ptr(std::uintptr_t ctl, const FaultInfo&)>;
 void set_fault_builder(FaultBuilder builder);
 
+// One op in a group's history (GroupCtl::history): a fixed-size record, written at issue and
+// at end under the group's lock (no allocation on the hot path).
+enum class Outcome : std::uint8_t { kPending = 0, kOk = 1, kTimedOut = 2, kFailed = 3 };
+
+struct OpRecord {
+  static constexpr std::uint8_t kDims = 4;
+  std::uint64_t seq = 0;
+  const char* op = "";
+  unsigned long thread = 0;  // pthread id (= threading.get_ident()) of the issuer
+  Nanos start = 0;
+  Nanos end = 0;
+  Outcome outcome = Outcome::kPending;
+  std::int8_t dtype = -1;  // the first input's c10::ScalarType, or -1
+  std::uint8_t ndim = 0;   // its dimensions (the first kDims of them in shape)
+  std::uint32_t tensors = 0;
+  std::int64_t shape[kDims] = {};
+};
+
 class GroupCtl {
  public:
   GroupCtl(std::string name, int rank, int size, Nanos default_timeout, bool polled, std::shared_ptr<Engine> engine)
@@ -86,7 +104,11 @@ class GroupCtl {
   std::uintptr_t id() const { return reinterpret_cast<std::uintptr_t>(this); }
 
   // Numbers an op (1, 2, ...); the same numbers on every rank that issues the same ops.
-  std::uint64_t begin(const char* op);
+  std::uint64_t begin(const char* op, Nanos start, c10::ArrayRef<at::Tensor> ins);
+  // Records how op `seq` ended (once; the first outcome stays).
+  void end(std::uint64_t seq, Outcome outcome);
+  // The last kRing ops, oldest first.
+  std::vector<OpRecord> history();
   std::string prev_of(std::uint64_t seq);
   std::uint64_t seq();
   // Gives back `seq` when the op was refused before it was issued (bad arguments): the numbers
@@ -115,7 +137,7 @@ class GroupCtl {
   std::condition_variable cv_;
   std::uint64_t seq_ = 0;
   static constexpr std::size_t kRing = 64;
-  const char* ring_[kRing] = {};
+  OpRecord ring_[kRing] = {};
   bool dead_ = false;
   std::string dead_reason_;
   int fault_state_ = 0;  // 0 none, 1 being built, 2 delivered
@@ -263,9 +285,11 @@ class WatchedBackend : public c10d::Backend {
 
  private:
   template <typename Opts, typename Issue>
-  c10::intrusive_ptr<c10d::Work> run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue);
+  c10::intrusive_ptr<c10d::Work> run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue,
+                                     c10::ArrayRef<at::Tensor> ins = {});
   template <typename Issue>
-  c10::intrusive_ptr<c10d::Work> run_plain(const char* op, c10d::OpType type, Issue&& issue);
+  c10::intrusive_ptr<c10d::Work> run_plain(const char* op, c10d::OpType type, Issue&& issue,
+                                           c10::ArrayRef<at::Tensor> ins = {});
   c10::intrusive_ptr<c10d::Work> watch(const char* op, c10d::OpType type, std::uint64_t seq, Nanos start,
                                        Nanos deadline, c10::intrusive_ptr<c10d::Work> inner);
   Nanos deadline_for(Nanos now);

@@ -35,6 +35,7 @@ from ._timeouts import (
     set_timeout_handler,
 )
 from ._version import __version__
+from ._watch import history
 from .collectives import (
     Work,
     all_gather,
@@ -106,6 +107,7 @@ __all__ = [
     "get_rank",
     "get_timeout_handler",
     "get_world_size",
+    "history",
     "init_process_group",
     "irecv",
     "is_dead",

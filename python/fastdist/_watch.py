@@ -150,6 +150,13 @@ def _device_order(pg: Any) -> list[torch.device]:
 def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
     # Whatever this raises (a waiter's timeout handler's sys.exit() among others) is the error.
     err = _build_error(ctl_id, info)
+    if info["kind"] in ("timeout", "remote", "backend") and os.environ.get("FASTDIST_DUMP_DIR"):
+        entry = _registry.get(ctl_id)
+        pg = entry[0]() if entry is not None else None
+        if pg is not None:
+            from . import dump
+
+            dump.write(_groups.state_of(pg), pg, err)
     if info["kind"] != "refused":
         # A copy: the error itself gets a traceback when raised, and with it the frames of the
         # failed call; kept here, those would live on.
@@ -286,6 +293,22 @@ def typed_error_for(exc: BaseException, since: float) -> BaseException | None:
         if t >= since:
             return copy.copy(err)
     return None
+
+
+def history(group: Any = None) -> list[dict[str, Any]]:
+    """The last 64 ops on ``group`` (default: the default group), oldest first, whoever issued
+    them: ``seq``, ``op``, ``dtype`` and ``shape`` of the first input tensor (``tensors``: how
+    many), ``thread`` (the issuer's ``threading.get_ident()``), ``start`` and ``end`` (on
+    :func:`fastdist.current_time`'s clock; ``end`` None while in flight) and ``outcome``
+    (``"pending"``, ``"ok"``, ``"timed_out"``, ``"failed"``). Kept in a fixed ring by the watched
+    backend at a cost of about 100 ns per op; empty for a group fastdist does not watch."""
+    pg = _groups.resolve(group)
+    if pg is None:
+        return []
+    out: list[dict[str, Any]] = []
+    for b in backends_of(pg):
+        out.extend(b.history())
+    return sorted(out, key=lambda r: int(r["seq"]))
 
 
 def is_watched(pg: Any) -> bool:

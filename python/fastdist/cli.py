@@ -10,7 +10,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastdist", description="Real deadlines for torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from . import demo, doctor
+    from . import demo, doctor, dump
 
     demo_parser = sub.add_parser("demo", help="run a local multi-rank gloo job in which one rank hangs")
     demo.add_arguments(demo_parser)
@@ -18,8 +18,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "doctor", help="check whether this machine can join a job, and say what to fix"
     )
     doctor.add_arguments(doctor_parser)
+    report_parser = sub.add_parser(
+        "report",
+        help="merge the fault dumps the ranks wrote to FASTDIST_DUMP_DIR: last ops, stacks, divergence",
+    )
+    dump.add_arguments(report_parser)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "report":
+        return dump.run(args)
     return doctor.run(args)  # argparse refused any other command
