@@ -86,6 +86,15 @@ def build(data: dict) -> tuple[str, dict]:
                 f"added {c['added_us']:+.2f} us per call (ratio {c['ratio']:.3f})."
             ),
         ]
+        if "history_ratio" in c:
+            lines += [
+                "",
+                (
+                    "The op history ring (fastdist.history), dist.all_reduce on that group: "
+                    f"{c['history_on_us']:.2f} us with it, {c['history_off_us']:.2f} us without "
+                    f"(ratio {c['history_ratio']:.3f}; goal <= 1.01)."
+                ),
+            ]
     x = b.get("test_checks_cost", {}).get("extra_info")
     if x:
         lines += [

@@ -22,15 +22,29 @@ def main() -> None:
         port = s.getsockname()[1]
     fastdist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     t = torch.ones(1)
+    from fastdist import _watched
+
+    def without_history() -> None:
+        _watched.set_history_enabled(False)
+        dist.all_reduce(t)
+        _watched.set_history_enabled(True)
+
+    def with_history() -> None:  # the same calls around it, so that only the ring differs
+        _watched.set_history_enabled(True)
+        dist.all_reduce(t)
+        _watched.set_history_enabled(True)
+
     calls = {
         "dist": lambda: dist.all_reduce(t),
         "fastdist": lambda: fastdist.all_reduce(t, timeout=30),
         "fastdist_scope": lambda: fastdist.all_reduce(t),
+        "history_off": without_history,
+        "history_on": with_history,
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(rounds):  # interleaved, order rotated every round
         names = list(calls)
-        names = names[i % 3 :] + names[: i % 3]
+        names = names[i % len(names) :] + names[: i % len(names)]
         for name in names:
             fn = calls[name]
             t0 = time.perf_counter()

@@ -89,10 +89,15 @@ def test_all_reduce_call_cost_in_process(benchmark) -> None:
             "fastdist_us": r["fastdist"],
             "added_us": added,
             "ratio": r["fastdist"] / r["dist"],
+            "history_on_us": r["history_on"],
+            "history_off_us": r["history_off"],
+            "history_ratio": r["history_on"] / r["history_off"],
         }
     )
     print(
         f"\nall_reduce, 1 rank, in process: dist {r['dist']:.2f} us, fastdist {r['fastdist']:.2f} us "
-        f"(added {added:+.2f} us, ratio {r['fastdist'] / r['dist']:.3f})"
+        f"(added {added:+.2f} us, ratio {r['fastdist'] / r['dist']:.3f}); the op history ring: "
+        f"{r['history_on']:.2f} us with, {r['history_off']:.2f} us without "
+        f"(ratio {r['history_on'] / r['history_off']:.3f})"
     )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

@@ -84,6 +84,7 @@ PYBIND11_MODULE(_watched, m) {
   m.def("install_sigint_hook", &install_sigint_hook);
   m.def("keep_dead_backends", &keep_dead_backends);
   m.def("clear_next_deadline", &clear_next_deadline);
+  m.def("set_history_enabled", &set_history_enabled, py::arg("on"));
 
   py::class_<WatchedBackend, c10d::Backend, c10::intrusive_ptr<WatchedBackend>>(m, "WatchedBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& name, double default_timeout,

@@ -132,13 +132,22 @@ void set_fault_builder(FaultBuilder b) { builder() = std::move(b); }
 // ---------------------------------------------------------------------------------------------
 // GroupCtl
 
+namespace {
+std::atomic<bool> g_history{true};
+}  // namespace
+
+void set_history_enabled(bool on) { g_history.store(on, std::memory_order_relaxed); }
+
 std::uint64_t GroupCtl::begin(const char* op, Nanos start, c10::ArrayRef<at::Tensor> ins) {
   OpRecord rec;
   rec.op = op;
-  rec.thread = static_cast<unsigned long>(pthread_self());
-  rec.start = start;
-  rec.tensors = static_cast<std::uint32_t>(ins.size());
-  if (!ins.empty() && ins[0].defined()) {
+  const bool details = g_history.load(std::memory_order_relaxed);
+  if (details) {
+    rec.thread = static_cast<unsigned long>(pthread_self());
+    rec.start = start;
+    rec.tensors = static_cast<std::uint32_t>(ins.size());
+  }
+  if (details && !ins.empty() && ins[0].defined()) {
     rec.dtype = static_cast<std::int8_t>(ins[0].scalar_type());
     rec.ndim = static_cast<std::uint8_t>(std::min<std::int64_t>(ins[0].dim(), OpRecord::kDims));
     for (std::uint8_t d = 0; d < rec.ndim; ++d) rec.shape[d] = ins[0].size(d);
@@ -151,6 +160,7 @@ std::uint64_t GroupCtl::begin(const char* op, Nanos start, c10::ArrayRef<at::Ten
 }
 
 void GroupCtl::end(std::uint64_t seq, Outcome outcome) {
+  if (!g_history.load(std::memory_order_relaxed)) return;
   const Nanos now = steady_now();
   std::lock_guard<std::mutex> lk(mu_);
   OpRecord& rec = ring_[seq % kRing];

@@ -88,6 +88,9 @@ struct OpRecord {
   std::int64_t shape[kDims] = {};
 };
 
+// The benchmarks' switch: with it off, the history keeps only op names (for "last seen in").
+void set_history_enabled(bool on);
+
 class GroupCtl {
  public:
   GroupCtl(std::string name, int rank, int size, Nanos default_timeout, bool polled, std::shared_ptr<Engine> engine)
