@@ -95,6 +95,19 @@ def build(data: dict) -> tuple[str, dict]:
                     f"(ratio {c['history_ratio']:.3f}; goal <= 1.01)."
                 ),
             ]
+    prop = [(k, b[k]["extra_info"]) for k in sorted(b) if k.startswith("test_propagation_latency")]
+    if prop:
+        lines += [
+            "",
+            "### Fault propagation (issue 14): rank 0 times out, the others wait in the same op (60 s deadline)",
+            "",
+            "| ranks | median after rank 0's deadline | p99 |",
+            "|---|---|---|",
+        ]
+        for k, x in prop:
+            lines.append(
+                f"| {k.split('[')[1].rstrip(']')} | {x['median_ms']:.1f} ms | {x['p99_ms']:.1f} ms |"
+            )
     x = b.get("test_checks_cost", {}).get("extra_info")
     if x:
         lines += [

@@ -529,3 +529,27 @@ def where_stuck(ctx) -> None:
     fastdist.recover(timeout=30)
     fastdist.barrier(timeout=30)
     ctx.record("recovered_b")
+
+
+def bench_propagation(ctx) -> None:
+    """For bench/test_propagation.py: cycles in which rank 0's barrier times out at 0.5 s while the
+    middle ranks wait in the same barrier with a 60 s deadline and the last rank computes
+    elsewhere; records when rank 0's deadline passed and when each middle rank raised."""
+    import os
+
+    ctx.init()
+    fastdist.barrier(timeout=30)
+    for i in range(int(os.environ.get("FASTDIST_BENCH_CYCLES", "5"))):
+        if ctx.rank == ctx.world_size - 1:
+            load_batch(ctx, f"go_{i}")
+        else:
+            timeout = 0.5 if ctx.rank == 0 else 60.0
+            start = time.time()
+            try:
+                fastdist.barrier(timeout=timeout)
+            except fastdist.FastdistError:
+                ctx.record("raised", cycle=i, deadline=start + timeout, at=time.time())
+            if ctx.rank == 0:
+                ctx.store.set(f"go_{i}", "1")
+        fastdist.recover(timeout=30)
+        fastdist.barrier(timeout=30)
