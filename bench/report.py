@@ -99,7 +99,7 @@ def build(data: dict) -> tuple[str, dict]:
     if prop:
         lines += [
             "",
-            "### Fault propagation (issue 14): rank 0 times out, the others wait in the same op (60 s deadline)",
+            "### Fault propagation: rank 0 times out, the others wait in the same op (60 s deadline)",
             "",
             "| ranks | median after rank 0's deadline | p99 |",
             "|---|---|---|",
