@@ -2,8 +2,8 @@
 learns it at once, says where it is, and ends its own op on the group.
 
 Each process runs one listener thread (started by ``fastdist.init_process_group``) blocked on its
-own store connection, waiting for the next key of its inbox (``inbox/RANK/K``): an idle rank
-makes no wake-ups and no store traffic. The first rank to report a fault on a group (the one
+own store connection in a pop from its inbox, a store queue (``inbox/RANK``): an idle rank makes
+no wake-ups and no store traffic. The first rank to report a fault on a group (the one
 whose compare-and-set on the group's ``fault`` key wins, see fastdist.diagnostics) rings its
 group: the ring goes down a binary tree of the group's ranks, rooted at the ringer, each rank
 forwarding it to its two children, so every rank does O(1) store operations and the last one
@@ -20,12 +20,14 @@ timeout, shortly after.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _keys
@@ -54,22 +56,33 @@ _lock = threading.Lock()
 _listener: _Listener | None = None
 
 
-def connection(store: Any) -> Any | None:
-    """A connection of its own to ``store`` for a blocking wait (a wait holds its client), or
-    None for a store that cannot make one (a Python store): then the caller polls."""
+# A second connection to the job's store for the reports' blocking waits (a wait holds its
+# client), made by the listener when it starts (torch's TCPStore.clone() takes about 0.25 s, too
+# long to pay at a fault), and used by one report at a time.
+_waiter: Any = None
+_waiter_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def waiter() -> Iterator[Any]:
+    """The reports' wait connection, or None (not made yet, a store that cannot make one, or in
+    use by another report): then the caller polls."""
+    conn = _waiter
+    if conn is None or not _waiter_lock.acquire(blocking=False):
+        yield None
+        return
     try:
-        return store.clone()
-    except (AttributeError, RuntimeError):
-        return None
+        yield conn
+    finally:
+        _waiter_lock.release()
 
 
-def _inbox(global_rank: int, k: int | str) -> str:
-    return _keys.key("inbox", global_rank, k)
+def _inbox(global_rank: int) -> str:
+    return _keys.key("inbox", global_rank)
 
 
 def _deliver(store: Any, global_rank: int, record: str) -> None:
-    n = store.add(_inbox(global_rank, "count"), 1)
-    store.set(_inbox(global_rank, n), record)
+    store.queue_push(_inbox(global_rank), record)
 
 
 def _children(st: GroupState, root: int) -> list[int]:
@@ -119,17 +132,12 @@ def close_window_at(st: GroupState, key: str, end: float) -> Any | None:
 
 
 def start(store: Any, global_rank: int) -> None:
-    """Starts this process's listener on its own connection to ``store`` (idempotent)."""
+    """Starts this process's listener, which makes its own connections to ``store`` (idempotent)."""
     global _listener
     with _lock:
         if _listener is not None and _listener.is_alive():
             return
-        try:
-            conn = store.clone()
-        except (AttributeError, RuntimeError):
-            logger.debug("fastdist: this store cannot be cloned; faults are not propagated")
-            return
-        _listener = _Listener(store, conn, global_rank)
+        _listener = _Listener(store, global_rank)
         _listener.start()
 
 
@@ -148,24 +156,26 @@ def stop(timeout: float = 1.0) -> None:
 
 
 class _Listener(threading.Thread):
-    def __init__(self, store: Any, conn: Any, rank: int) -> None:
+    def __init__(self, store: Any, rank: int) -> None:
         super().__init__(name="fastdist-bell", daemon=True)
         self.store = store  # for short operations (posting, forwarding)
-        self.conn = conn  # this thread's own, for its blocking wait
         self.rank = rank
-        self.k = 1
 
     def run(self) -> None:
+        global _waiter
+        try:
+            conn = self.store.clone()  # this thread's own, for its blocking pops
+            conn.set_timeout(_FOREVER)
+            _waiter = self.store.clone()
+        except Exception as exc:  # noqa: BLE001 - a store that cannot clone (a Python store)
+            logger.debug("fastdist: no second connection to the store; faults are not propagated: %r", exc)
+            return
         while True:
-            key = _inbox(self.rank, self.k)
             try:
-                self.conn.wait([key], _FOREVER)
-                raw = self.conn.get(key)
-                self.conn.delete_key(key)
+                raw = conn.queue_pop(_inbox(self.rank))
             except Exception as exc:  # noqa: BLE001 - the store went away (job end, host died)
                 logger.debug("fastdist: the fault listener stops: %r", exc)
                 return
-            self.k += 1
             rec = _keys.parse_record(raw, _RING_FIELDS)
             if rec is None:
                 continue

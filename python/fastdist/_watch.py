@@ -251,7 +251,9 @@ def _remote_fault(
                     st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
                 ),
             )
-        rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0)
+        rep = diagnostics.report(
+            st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, rung=True
+        )
         err = _verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, f"{who} timed out first")
         _run_handler(err, info["waiter"])
         return err

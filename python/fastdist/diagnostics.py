@@ -92,7 +92,7 @@ def _prefix(st: GroupState) -> str:
 
 # (group name, generation) pairs this process has posted its status for: once each, so that the
 # count of posting ranks is exact (a rank can both time out and be rung by a peer).
-_posted: set[tuple[str, int]] = set()
+_posted: set[tuple[str, int, int]] = set()
 _posted_lock = threading.Lock()
 
 
@@ -101,9 +101,9 @@ def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bo
     and one add; the rank that completes the count sets the key the reporters wait on. False if
     this rank had posted already."""
     with _posted_lock:
-        if (st.name, st.generation) in _posted:
+        if (st.name, st.generation, st.rank) in _posted:
             return False
-        _posted.add((st.name, st.generation))
+        _posted.add((st.name, st.generation, st.rank))
     store = st.store if store is None else store
     prefix = _prefix(st)
     store.append(f"{prefix}/status", json.dumps(record) + "\n")
@@ -113,12 +113,19 @@ def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bo
 
 
 def report(
-    st: GroupState, op: str, seq: int, state: str, budget: float, until: float | None = None
+    st: GroupState,
+    op: str,
+    seq: int,
+    state: str,
+    budget: float,
+    until: float | None = None,
+    rung: bool = False,
 ) -> Report | None:
     """Publishes this rank's status (``state``: ``"timed_out"`` or ``"aborted"``), rings the
     group's other ranks if no one has yet, and collects everyone's status for the window after
     now, or after ``until`` (a ``time.monotonic()`` value) when given. ``None`` when the group has
-    no store or the store cannot be reached."""
+    no store or the store cannot be reached. ``rung``: this rank learnt of the fault from a peer
+    (fastdist._bell) and has posted already; it only collects (the ringer closes the window)."""
     from . import _bell
 
     store = st.store
@@ -126,24 +133,24 @@ def report(
         return Report() if st.size <= 1 else None
     prefix = _prefix(st)
     me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time()}
-    waiter = None
     closer = None
     try:
         mine = json.dumps(me)
-        if store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
+        if not rung and store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
             _bell.ring(st, me)  # the first to report: every other live rank learns it now
         post_status(st, me)  # (a no-op when this rank was rung first and has posted already)
         # Wait without polling on a connection of its own (a blocking wait holds its client),
         # until everyone posted or the window closes: whichever rank's window ends first closes
         # it for all.
         end = max(time.monotonic(), until or 0.0) + window(budget)
-        closer = _bell.close_window_at(st, f"{prefix}/complete", end)
-        waiter = _bell.connection(store)
-        if waiter is not None:
-            waiter.wait([f"{prefix}/complete"], datetime.timedelta(seconds=end - time.monotonic() + 5.0))
-        else:  # a store that cannot give a second connection (a Python store): poll it
-            while not store.check([f"{prefix}/complete"]) and time.monotonic() < end:
-                time.sleep(_POLL_SECONDS)
+        if not rung:
+            closer = _bell.close_window_at(st, f"{prefix}/complete", end)
+        with _bell.waiter() as waiter:
+            if waiter is not None:
+                waiter.wait([f"{prefix}/complete"], datetime.timedelta(seconds=end - time.monotonic() + 5.0))
+            else:  # no second connection to wait on (yet): poll
+                while not store.check([f"{prefix}/complete"]) and time.monotonic() < end:
+                    time.sleep(_POLL_SECONDS)
         raw = store.get(f"{prefix}/status")
     except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
         global store_failure
@@ -155,7 +162,6 @@ def report(
     finally:
         if closer is not None:
             closer.cancel()
-        del waiter
     records: dict[int, dict[str, Any]] = {st.rank: me}
     invalid = 0
     for line in raw.decode(errors="replace").splitlines():
