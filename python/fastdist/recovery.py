@@ -316,15 +316,19 @@ def _agree(store: Any, st: _groups.GroupState, gen: int, deadline: float, allow_
                 missing_ranks=None,
                 reason=f"the other ranks already rebuilt the group as generation {latest} without this rank",
             )
-    count_key = f"{key}/{gen}/count"
-    n = store.add(count_key, 1)
-    store.set(f"{key}/{gen}/member/{n}", str(me))
-    count = n
-    while count < st.size and current_time() < deadline:
-        time.sleep(_POLL_SECONDS)
-        count = store.add(count_key, 0)
+    # O(1) store operations per rank: an add (arrival order), an append to one member list, a
+    # blocking wait on one key (set by the last to arrive, or by the first deadline), then one
+    # compare-and-set that fixes how many arrivals are in, and one read of the list.
+    base = f"{key}/{gen}"
+    n = store.add(f"{base}/count", 1)
+    store.append(f"{base}/members", f"{n}:{me}\n")
+    if n >= st.size:
+        store.set(f"{base}/closed", "all")
+    else:
+        _wait_closed(store, f"{base}/closed", deadline)
+    count = store.add(f"{base}/count", 0)
     if count < st.size and not allow_shrink:
-        arrived = {int(store.get(f"{key}/{gen}/member/{i}")) for i in range(1, count + 1)}
+        arrived = _arrivals(store.get(f"{base}/members"), count)
         missing = [st.global_rank(r) for r in range(st.size) if st.global_rank(r) not in arrived]
         raise RecoveryError(
             group=st.name,
@@ -333,7 +337,7 @@ def _agree(store: Any, st: _groups.GroupState, gen: int, deadline: float, allow_
             reason="not every rank turned up before the deadline",
             missing_ranks=missing,
         )
-    final = int(store.compare_set(f"{key}/{gen}/final", "", str(min(count, st.size))))
+    final = int(store.compare_set(f"{base}/final", "", str(min(count, st.size))))
     if n > final:
         raise RecoveryError(
             group=st.name,
@@ -342,12 +346,46 @@ def _agree(store: Any, st: _groups.GroupState, gen: int, deadline: float, allow_
             missing_ranks=None,
             reason="this rank turned up after the others had closed the new generation without it",
         )
-    members = sorted(int(store.get(f"{key}/{gen}/member/{i}")) for i in range(1, final + 1))
+    members = sorted(_arrivals(store.get(f"{base}/members"), final))
     store.set(f"{key}/latest", str(gen))
     # Generation gen - 1's reports stay: a straggler of it, left out, reads them to learn that the
     # others timed out (rather than blame them as dead). The one before goes.
     _forget_generation(store, st, gen - 2)
     return members
+
+
+def _arrivals(raw: bytes, upto: int) -> set[int]:
+    """The global ranks among the first ``upto`` arrivals in a member list ("ORDER:RANK" lines)."""
+    out = set()
+    for line in raw.decode(errors="replace").splitlines():
+        order, _, rank = line.partition(":")
+        if order.isdigit() and rank.isdigit() and int(order) <= upto:
+            out.add(int(rank))
+    return out
+
+
+def _wait_closed(store: Any, key: str, deadline: float) -> None:
+    """Blocks until ``key`` is set: by the last rank to arrive, or at the first rank's deadline
+    (an engine action of each rank sets it then). No polling when a second connection exists."""
+    from . import _bell
+    from ._timeouts import engine
+
+    def close() -> None:
+        try:
+            store.compare_set(key, "", "deadline")
+        except Exception as exc:  # noqa: BLE001 - the waiters' own bounded wait ends anyway
+            logger.debug("fastdist: closing the recovery agreement failed: %r", exc)
+
+    closer = engine().add(deadline, close)
+    try:
+        with _bell.waiter() as conn:
+            if conn is not None:
+                conn.wait([key], datetime.timedelta(seconds=max(0.0, deadline - current_time()) + 5.0))
+                return
+        while not store.check([key]) and current_time() < deadline:
+            time.sleep(_POLL_SECONDS)
+    finally:
+        closer.cancel()
 
 
 def _forget_generation(store: Any, st: _groups.GroupState, gen: int) -> None:
@@ -358,10 +396,8 @@ def _forget_generation(store: Any, st: _groups.GroupState, gen: int) -> None:
         return
     rec = _keys.key("recover", st.name, gen)
     diag = _keys.key("diag", st.name, gen)
-    doomed = [f"{rec}/count", f"{rec}/final"] + [
-        f"{diag}/{k}" for k in ("fault", "status", "count", "complete")
-    ]
-    doomed += [f"{rec}/member/{i}" for i in range(1, st.size + 1)]
+    doomed = [f"{rec}/{k}" for k in ("count", "members", "closed", "final")]
+    doomed += [f"{diag}/{k}" for k in ("fault", "status", "count", "complete")]
     for k in doomed:
         try:
             store.delete_key(k)
