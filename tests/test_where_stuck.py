@@ -58,3 +58,17 @@ def test_the_error_says_where_each_rank_is_and_the_others_raise_at_once(tmp_path
     )
     assert "group 'default', generation 1: dumps from ranks 0, 1" in text, text
     assert "op #1 (barrier): finished on" not in text  # generation 1: both timed out in the same op
+
+
+def test_a_peer_fault_ends_ops_on_the_polled_path_too() -> None:
+    """The same on the NCCL path's logic (watched gloo groups polled for completion, as NCCL's
+    works are; FASTDIST_TEST_POLLED=1): rank 1, in another op with a 60 s deadline, raises with
+    rank 0, and rank 0's report says where rank 2 is."""
+    results = run_ranks("where_stuck", 3, timeout=90, env={"FASTDIST_TEST_POLLED": "1"})
+    info = describe(results)
+    for r in results:
+        assert r.returncode == 0 and r.has("recovered_b"), info
+    a0, a1 = results[0].record("a"), results[1].record("a")
+    assert a0["type"] == "CollectiveTimeoutError" and "rank 2 is not in a collective" in a0["message"], info
+    assert a1["type"] == "GroupAbortedError" and a1["elapsed"] < 2.0, info
+    assert abs(a1["wall"] - a0["wall"]) < 0.25, info
