@@ -108,6 +108,20 @@ def build(data: dict) -> tuple[str, dict]:
             lines.append(
                 f"| {k.split('[')[1].rstrip(']')} | {x['median_ms']:.1f} ms | {x['p99_ms']:.1f} ms |"
             )
+    scale = [b[k]["extra_info"] for k in sorted(b) if k.startswith("test_report_scale")]
+    if scale:
+        lines += [
+            "",
+            "### The fault report at scale: simulated ranks (store clients, 4 processes), one TCPStore",
+            "",
+            "| ranks | store ops per rank (median, max) | posted in the window | last rank has the report |",
+            "|---|---|---|---|",
+        ]
+        for x in scale:
+            lines.append(
+                f"| {x['ranks']} | {x['ops_per_rank_median']:.0f}, {x['ops_per_rank_max']} | "
+                f"{x['answered_in_window']} of {x['ranks'] - 1} | {x['last_holds_report_ms'] / 1000:.1f} s |"
+            )
     x = b.get("test_checks_cost", {}).get("extra_info")
     if x:
         lines += [
