@@ -22,7 +22,9 @@ def test_absent_rank_times_out_everyone_who_waited(world_size: int) -> None:
         assert "terminate called" not in r.stderr and "Fatal Python error" not in r.stderr, info
     for r in results[:-1]:
         t = r.record("timeout")
-        assert 1.5 <= t["elapsed"] < 2.5, info
+        # A rank raises with the first of the waiting ranks to time out (the fault is rung to
+        # all): up to the skew of their starts before its own deadline.
+        assert 1.4 <= t["elapsed"] < 2.5, info
         assert t["is_timeout_error"] and t["op"] == "barrier" and t["group"] == "default"
         assert (t["rank"], t["world_size"], t["timeout"]) == (
             r.rank,

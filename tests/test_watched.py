@@ -66,7 +66,8 @@ def test_torch_distributed_calls_scopes_group_timeout_subgroups_and_device_mesh(
         assert sorted(got) == sorted(expected) and not r.has("no_error"), info
         for name, rec in got.items():
             assert rec["missing"] == [3], info
-            assert bounds[name] <= rec["seconds"] < bounds[name] + 1.0, info
+            # With the first rank to time out, up to the skew of their starts before its own.
+            assert bounds[name] - 0.1 <= rec["seconds"] < bounds[name] + 1.0, info
 
 
 def test_ctrl_c_inside_ddp_backward_and_recv_then_a_prompt_exit() -> None:

@@ -105,6 +105,7 @@ def ring(st: GroupState, status: dict[str, Any]) -> None:
             "op": status["op"],
             "seq": status["seq"],
             "state": status["state"],
+            "t": status["t"],
         }
     )
     try:

@@ -31,7 +31,7 @@ import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 from . import _core, _groups, _verdict, _watched, diagnostics
-from ._timeouts import get_default_timeout, run_timeout_handler
+from ._timeouts import current_time, get_default_timeout, run_timeout_handler
 from ._work import run_handler_unwaited
 from .errors import CollectiveTimeoutError, FastdistError, GroupAbortedError
 
@@ -192,17 +192,14 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     text = _verdict.first_line(info["detail"] or "")
     verdict = _verdict.classify(text)
     if kind == "timeout" or verdict == _verdict.TIMEOUT:
-        _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
-        if st.polled:
-            from . import _polled
-
-            _polled.abort_group(
-                pg,
-                st.is_default,
-                _verdict.timeout_error(
-                    st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
-                ),
-            )
+        _die(
+            pg,
+            st,
+            f"{op} #{seq} timed out on rank {st.my_global_rank}",
+            _verdict.timeout_error(
+                st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
+            ),
+        )
         rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
         cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
         if rep is None and diagnostics.store_failure is not None:
@@ -239,18 +236,19 @@ def _remote_fault(
         peer = {}
     who = f"rank {peer.get('rank', '?')}"
     what = f"{peer.get('op', '?')} #{peer.get('seq', '?')}"
-    if peer.get("op") == op and peer.get("seq") == seq:
-        _groups.mark_dead(pg, f"{op} #{seq} timed out on {who}")
-        if st.polled:
-            from . import _polled
-
-            _polled.abort_group(
-                pg,
-                st.is_default,
-                _verdict.timeout_error(
-                    st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
-                ),
-            )
+    # This rank's op began after the peer's fault: a straggler (it was stopped, or slow), not a
+    # rank stuck in the op with the others.
+    began = time.time() - (current_time() - start)
+    late = isinstance(peer.get("t"), (int, float)) and began > peer["t"]
+    if peer.get("op") == op and peer.get("seq") == seq and not late:
+        _die(
+            pg,
+            st,
+            f"{op} #{seq} timed out on {who}",
+            _verdict.timeout_error(
+                st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
+            ),
+        )
         rep = diagnostics.report(
             st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, rung=True
         )
@@ -259,21 +257,25 @@ def _remote_fault(
         return err
     verb = "timed out in" if peer.get("state") == "timed_out" else "failed in"
     reason = f"{who} {verb} {what} and aborted group {st.name!r} while this rank was in {op} #{seq}"
+    _die(
+        pg,
+        st,
+        reason,
+        GroupAbortedError(
+            op=op, group=st.name, rank=st.my_global_rank, reason=reason + "; aborting the communicators hung"
+        ),
+    )
+    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+
+
+def _die(pg: Any, st: GroupState, reason: str, if_abort_hangs: BaseException) -> None:
+    """Marks the group dead and, on NCCL, starts aborting its communicators (in the background,
+    bounded: ``if_abort_hangs`` goes to the timeout handler when the abort does not return)."""
     _groups.mark_dead(pg, reason)
     if st.polled:
         from . import _polled
 
-        _polled.abort_group(
-            pg,
-            st.is_default,
-            GroupAbortedError(
-                op=op,
-                group=st.name,
-                rank=st.my_global_rank,
-                reason=reason + "; aborting the communicators hung",
-            ),
-        )
-    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+        _polled.abort_group(pg, st.is_default, if_abort_hangs)
 
 
 def _run_handler(err: BaseException, waiter: bool) -> None:
