@@ -17,8 +17,8 @@ waits, without polling, until every rank has posted or the window has passed:
 Store work is O(1) per rank: a compare-and-set, an append to one key, an add, a blocking wait on
 one key and one read; the ring goes down a binary tree of the group's ranks (two store
 operations per rank). Every rank reads the same records, so every rank that times out gets the
-same report: no circular blame. The window is min(1 s, 10% of the timeout), and ends early once
-every rank of the group has posted.
+same report: no circular blame. The window is min(1 s, 10% of the timeout) plus 5 ms per level of
+the ring tree, and ends early once every rank of the group has posted.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -82,8 +83,16 @@ class Report:
     stacks: dict[int, list[str]] = field(default_factory=dict)
 
 
-def window(budget: float) -> float:
-    return min(MAX_WINDOW_SECONDS, WINDOW_FRACTION * max(budget, 0.0))
+# Per level of the ring tree: the ring reaches the last of N ranks after about log2(N) hops.
+HOP_SECONDS = 0.005
+
+
+def window(budget: float, size: int = 2) -> float:
+    """How long reporters wait for the others' statuses: min(1 s, 10% of the op's budget), plus
+    5 ms per level of the ring tree (log2 of the group's size: 10 ms at 4 ranks, 50 ms at 1,024)."""
+    return min(MAX_WINDOW_SECONDS, WINDOW_FRACTION * max(budget, 0.0)) + HOP_SECONDS * math.ceil(
+        math.log2(max(size, 2))
+    )
 
 
 def _prefix(st: GroupState) -> str:
@@ -142,7 +151,7 @@ def report(
         # Wait without polling on a connection of its own (a blocking wait holds its client),
         # until everyone posted or the window closes: whichever rank's window ends first closes
         # it for all.
-        end = max(time.monotonic(), until or 0.0) + window(budget)
+        end = max(time.monotonic(), until or 0.0) + window(budget, st.size)
         if not rung:
             closer = _bell.close_window_at(st, f"{prefix}/complete", end)
         with _bell.waiter() as waiter:
