@@ -112,7 +112,7 @@ def build(data: dict) -> tuple[str, dict]:
     if scale:
         lines += [
             "",
-            "### The fault report at scale: simulated ranks (store clients, 4 processes), one TCPStore",
+            "### The fault report at scale: simulated ranks (4 processes), one TCPStore, 1 s timeout",
             "",
             "| ranks | store ops per rank (median, max) | posted in the window | last rank has the report |",
             "|---|---|---|---|",
