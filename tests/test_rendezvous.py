@@ -133,7 +133,9 @@ def test_master_starting_late_is_waited_for() -> None:
         assert holder[0].get("x") == b"1"
     finally:
         starter.join()
-    assert 2.0 <= took < 5.0
+    # Upper bound: the backoff's, plus one TCP connect that the sandbox's network stack (gVisor
+    # here) sometimes stalls for 5 s, about one connect in 25.
+    assert 2.0 <= took < 8.5
 
 
 def test_version_and_world_size_mismatches_are_named() -> None:
