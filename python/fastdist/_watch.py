@@ -94,6 +94,9 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
     wrapper = WatchedBackend(backend, "", float(timeout), polled)
     per_pg[id(backend)] = wrapper
     with _lock:
+        # Insertion order is creation order (watched_groups relies on it): a ctl id that is a
+        # freed one's address again goes to the end, not to the old one's place.
+        _registry.pop(wrapper.ctl_id, None)
         _registry[wrapper.ctl_id] = (
             weakref.ref(pg),
             torch.device(device) if not isinstance(device, torch.device) else device,
@@ -320,9 +323,13 @@ def is_watched(pg: Any) -> bool:
 
 
 def watched_groups() -> list[Any]:
-    """Every live watched group of this process, oldest first."""
+    """Every live watched group of this process, oldest first: the order they were made in,
+    which is the same on every rank (torch makes groups in the same order everywhere), so that
+    recovery rebuilds them in step. (Not by the C++ object's address: addresses are in no
+    particular order, and ranks once rebuilt different groups at the same time, each waiting
+    for the others' addresses until the deadline.)"""
     with _lock:
-        entries = sorted(_registry.items())
+        entries = list(_registry.items())
     out: list[Any] = []
     seen: set[int] = set()
     for _ctl, (ref, _device) in entries:
