@@ -27,11 +27,12 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _keys
-from ._timeouts import engine
+from ._timeouts import current_time, engine
 
 if TYPE_CHECKING:
     from ._groups import GroupState
@@ -50,6 +51,7 @@ _FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "seq": int,
 }
 _MAX_FRAMES = 6
+_POLL_SECONDS = 0.005
 _SKIP = (os.sep + "torch" + os.sep, os.sep + "fastdist" + os.sep, "<frozen ", os.sep + "threading.py")
 
 _lock = threading.Lock()
@@ -115,24 +117,29 @@ def ring(st: GroupState, status: dict[str, Any]) -> None:
         logger.debug("fastdist: could not ring the group: %r", exc)
 
 
-def close_window_at(st: GroupState, key: str, end: float) -> Any | None:
-    """At ``end`` (time.monotonic()), closes the report window of the group by setting ``key`` if
-    nobody did: every reporter waiting on it wakes. Returns the engine token (cancel it after)."""
-    store = st.store
-    from ._core import monotonic
+def wait_key(store: Any, key: str, deadline: float, close: bool = True) -> None:
+    """Blocks until ``key`` is set in ``store``: without polling, on the wait connection, when it
+    is free (else polling every 5 ms). With ``close``, an engine action sets the key at
+    ``deadline`` (:func:`fastdist.current_time`'s clock) if nobody has, so that every rank waiting
+    on it wakes by the first such deadline (the report window, the recovery agreement)."""
 
-    if store is None:
-        return None
-
-    def close() -> None:
+    def close_it() -> None:
         try:
-            store.compare_set(key, "", "window")
-        except Exception as exc:  # noqa: BLE001 - the reporters' own wait ends later anyway
-            logger.debug("fastdist: closing the report window failed: %r", exc)
+            store.compare_set(key, "", "deadline")
+        except Exception as exc:  # noqa: BLE001 - the waiters' own bounded wait ends anyway
+            logger.debug("fastdist: closing %s failed: %r", key, exc)
 
-    import time
-
-    return engine().add(monotonic() + max(0.0, end - time.monotonic()), close)
+    closer = engine().add(deadline, close_it) if close else None
+    try:
+        with waiter() as conn:
+            if conn is not None:
+                conn.wait([key], datetime.timedelta(seconds=max(0.0, deadline - current_time()) + 5.0))
+                return
+        while not store.check([key]) and current_time() < deadline:
+            time.sleep(_POLL_SECONDS)
+    finally:
+        if closer is not None:
+            closer.cancel()
 
 
 def start(store: Any, global_rank: int) -> None:
@@ -213,7 +220,7 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
                 "op": op,
                 "seq": seq,
                 "state": "in_op",
-                "t": _now(),
+                "t": time.time(),
                 "stack": stack_of(thread),
             }
         else:
@@ -223,7 +230,7 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
                 "op": "",
                 "seq": 0,
                 "state": "elsewhere",
-                "t": _now(),
+                "t": time.time(),
                 "stack": stack_of(main),
             }
         diagnostics.post_status(st, status, store)
@@ -236,12 +243,6 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
             b.fail_remote(record, reason)
         if not inflight:
             _groups.mark_dead(pg, reason)
-
-
-def _now() -> float:
-    import time
-
-    return time.time()
 
 
 def stack_of(thread_ident: int) -> list[str]:

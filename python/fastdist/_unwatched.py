@@ -74,13 +74,19 @@ def run(
         _groups.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
         raise
     if finished:
-        if has_future:
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
-        return work
+        return _finished(pg, st, op, seq, start, deadline, work) if has_future else work
     fail(_timed_out(pg, st, op, seq, start, deadline, token=token))
+
+
+def _finished(
+    pg: Any, st: _groups.GroupState, op: str, seq: int, start: float, deadline: float, work: Any
+) -> Any:
+    """``work``, which ended: raises its backend error, made into fastdist's, if it failed."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
+    return work
 
 
 def _timed_out(
@@ -127,11 +133,7 @@ def _wait_polled(
     finally:
         token.cancel()
     if finished:
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
-        return work
+        return _finished(pg, st, op, seq, start, deadline, work)
     fail(_expire_polled(pg, st, op, seq, start, deadline))
 
 

@@ -23,7 +23,6 @@ the ring tree, and ends early once every rank of the group has posted.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import _keys
+from ._timeouts import current_time
 
 if TYPE_CHECKING:
     from ._groups import GroupState
@@ -69,7 +69,6 @@ _MAX_FRAMES = 6
 
 MAX_WINDOW_SECONDS = 1.0
 WINDOW_FRACTION = 0.1
-_POLL_SECONDS = 0.005
 
 
 @dataclass
@@ -142,24 +141,17 @@ def report(
         return Report() if st.size <= 1 else None
     prefix = _prefix(st)
     me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time()}
-    closer = None
     try:
         mine = json.dumps(me)
         if not rung and store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
             _bell.ring(st, me)  # the first to report: every other live rank learns it now
         post_status(st, me)  # (a no-op when this rank was rung first and has posted already)
-        # Wait without polling on a connection of its own (a blocking wait holds its client),
-        # until everyone posted or the window closes: whichever rank's window ends first closes
-        # it for all.
-        end = max(time.monotonic(), until or 0.0) + window(budget, st.size)
-        if not rung:
-            closer = _bell.close_window_at(st, f"{prefix}/complete", end)
-        with _bell.waiter() as waiter:
-            if waiter is not None:
-                waiter.wait([f"{prefix}/complete"], datetime.timedelta(seconds=end - time.monotonic() + 5.0))
-            else:  # no second connection to wait on (yet): poll
-                while not store.check([f"{prefix}/complete"]) and time.monotonic() < end:
-                    time.sleep(_POLL_SECONDS)
+        # Until everyone posted or the window closes: whichever reporter's window ends first
+        # closes it for all (a rung rank only collects: its ringer closes it).
+        later = max(0.0, (until or 0.0) - time.monotonic())
+        _bell.wait_key(
+            store, f"{prefix}/complete", current_time() + later + window(budget, st.size), close=not rung
+        )
         raw = store.get(f"{prefix}/status")
     except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
         global store_failure
@@ -168,9 +160,6 @@ def report(
             "rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, store_failure
         )
         return None
-    finally:
-        if closer is not None:
-            closer.cancel()
     records: dict[int, dict[str, Any]] = {st.rank: me}
     invalid = 0
     for line in raw.decode(errors="replace").splitlines():

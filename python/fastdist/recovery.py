@@ -19,19 +19,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import time
 import warnings
 from typing import Any
 
 import torch.distributed as dist
 
-from . import _groups, _keys, _polled, _watch, diagnostics
+from . import _bell, _groups, _keys, _polled, _watch, diagnostics
 from ._timeouts import RendezvousTimeout, TimeoutLike, current_time, effective_deadline, validate_seconds
 from .errors import RecoveryError
 
 logger = logging.getLogger(__name__)
 
-_POLL_SECONDS = 0.005
 
 # What the default group was built with, for rebuilding it.
 _lineage: dict[str, Any] = {"backend": None, "timeout": None, "root": None}
@@ -325,7 +323,7 @@ def _agree(store: Any, st: _groups.GroupState, gen: int, deadline: float, allow_
     if n >= st.size:
         store.set(f"{base}/closed", "all")
     else:
-        _wait_closed(store, f"{base}/closed", deadline)
+        _bell.wait_key(store, f"{base}/closed", deadline)
     count = store.add(f"{base}/count", 0)
     if count < st.size and not allow_shrink:
         arrived = _arrivals(store.get(f"{base}/members"), count)
@@ -362,30 +360,6 @@ def _arrivals(raw: bytes, upto: int) -> set[int]:
         if order.isdigit() and rank.isdigit() and int(order) <= upto:
             out.add(int(rank))
     return out
-
-
-def _wait_closed(store: Any, key: str, deadline: float) -> None:
-    """Blocks until ``key`` is set: by the last rank to arrive, or at the first rank's deadline
-    (an engine action of each rank sets it then). No polling when a second connection exists."""
-    from . import _bell
-    from ._timeouts import engine
-
-    def close() -> None:
-        try:
-            store.compare_set(key, "", "deadline")
-        except Exception as exc:  # noqa: BLE001 - the waiters' own bounded wait ends anyway
-            logger.debug("fastdist: closing the recovery agreement failed: %r", exc)
-
-    closer = engine().add(deadline, close)
-    try:
-        with _bell.waiter() as conn:
-            if conn is not None:
-                conn.wait([key], datetime.timedelta(seconds=max(0.0, deadline - current_time()) + 5.0))
-                return
-        while not store.check([key]) and current_time() < deadline:
-            time.sleep(_POLL_SECONDS)
-    finally:
-        closer.cancel()
 
 
 def _forget_generation(store: Any, st: _groups.GroupState, gen: int) -> None:
