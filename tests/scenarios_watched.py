@@ -529,6 +529,26 @@ def where_stuck(ctx) -> None:
     fastdist.recover(timeout=30)
     fastdist.barrier(timeout=30)
     ctx.record("recovered_b")
+    # C: rank 2 comes 50 ms late to each of 6 all_reduces, then stays away: the timed-out ranks'
+    # error names it as the straggler, from the waits each rank posted (the fresh group of
+    # generation 2 has these 6 ops and the barrier after recover() in its history).
+    for _ in range(6):
+        if ctx.rank == 2:
+            time.sleep(0.05)
+        fastdist.all_reduce(torch.ones(1), timeout=30)
+    if ctx.rank == 2:
+        load_batch(ctx, "go_c")
+    else:
+        try:
+            fastdist.barrier(timeout=1)
+            ctx.record("c_no_error")
+        except fastdist.CollectiveTimeoutError as e:
+            ctx.record("c", message=str(e), straggler=e.straggler)
+        if ctx.rank == 0:
+            ctx.store.set("go_c", "1")
+    fastdist.recover(timeout=30)
+    fastdist.barrier(timeout=30)
+    ctx.record("recovered_c")
 
 
 def bench_propagation(ctx) -> None:

@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import time
+from typing import Any
 
 import fastdist
 import pytest
@@ -442,3 +443,32 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
         store.set(rendezvous.VERSION_KEY, bad)
         with pytest.raises(RendezvousConnectionError, match="invalid_record.*not fastdist's.*MASTER_PORT"):
             rendezvous.check_versions(store, 1, 2, "127.0.0.1", 29500, 1.0)
+
+
+def test_straggler_hint_names_a_rank_only_when_it_is_clearly_last_in_most_ops() -> None:
+    from fastdist.diagnostics import straggler
+
+    def waits(last_us: int, others_us: int, n: int = 8, slow: int = 2) -> dict[int, Any]:
+        return {r: [[s, last_us if r == slow else others_us] for s in range(1, n + 1)] for r in range(3)}
+
+    # Rank 2 waited 30 us where the others waited 50 ms: it arrived last every time.
+    hint = straggler(waits(30, 50_000))
+    assert hint is not None and hint.startswith("rank 2 arrived last in 8 of the last 8"), hint
+    # Within the noise margin (80 us apart): nobody is named.
+    assert straggler(waits(30, 110)) is None
+    # Too few ops to tell, and a single answering rank: nothing.
+    assert straggler(waits(30, 50_000, n=3)) is None
+    assert straggler({0: [[1, 5], [2, 5], [3, 5], [4, 5]]}) is None
+    # Last in only half of the ops: below the share, nobody is named.
+    mixed = waits(30, 50_000)
+    for seq in range(1, 5):
+        mixed[1][seq - 1][1], mixed[2][seq - 1][1] = 30, 50_000
+    assert straggler(mixed) is None
+    # Only ops every answering rank completed are compared; malformed pairs are ignored.
+    partial = waits(30, 50_000, n=6)
+    partial[0] += [[7, 1], [8, 1]]
+    partial[1].append(["x", True])
+    hint = straggler(partial)
+    assert hint is not None and "in 6 of the last 6" in hint, hint
+    # Not a record at all (what a stranger wrote into the store): no hint, no crash.
+    assert straggler({0: "junk", 1: None, 2: [[1]]}) is None

@@ -222,6 +222,7 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
                 "state": "in_op",
                 "t": time.time(),
                 "stack": stack_of(thread),
+                "waits": diagnostics.waits(st),
             }
         else:
             main = threading.main_thread().ident or 0
@@ -232,6 +233,7 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
                 "state": "elsewhere",
                 "t": time.time(),
                 "stack": stack_of(main),
+                "waits": diagnostics.waits(st),
             }
         diagnostics.post_status(st, status, store)
         verb = "timed out in" if fault.get("state") == "timed_out" else "failed in"

@@ -74,6 +74,7 @@ def timeout_error(
         last_seen=last_seen,
         cause=cause,
         stacks=None if rep is None else rep.stacks,
+        straggler=None if rep is None else rep.straggler,
     )
 
 

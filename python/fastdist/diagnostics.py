@@ -80,6 +80,9 @@ class Report:
     # Global rank -> innermost frames ("file:line in function") of a rank that answered from
     # elsewhere; ranks of ``missing`` absent from it did not answer.
     stacks: dict[int, list[str]] = field(default_factory=dict)
+    # "rank R arrived last in K of the last N ops ...", when the posted histories show one rank
+    # arriving last over most of the recent ops (see straggler()).
+    straggler: str | None = None
 
 
 # Per level of the ring tree: the ring reaches the last of N ranks after about log2(N) hops.
@@ -102,6 +105,23 @@ def _prefix(st: GroupState) -> str:
 # count of posting ranks is exact (a rank can both time out and be rung by a peer).
 _posted: set[tuple[str, int, int]] = set()
 _posted_lock = threading.Lock()
+
+
+# How many of a rank's last completed ops its status carries (as [seq, microseconds waited]),
+# for the straggler hint: 16 pairs are about 200 bytes.
+WAITS_KEPT = 16
+
+
+def waits(st: GroupState) -> list[list[int]]:
+    """This rank's last completed ops on the group as ``[seq, microseconds from issue to end]``
+    pairs, from the watched backend's history ring (empty for a group fastdist does not watch)."""
+    from . import _watch
+
+    pg = st.ref()
+    if pg is None:
+        return []
+    done = [r for r in _watch.history(pg) if r["outcome"] == "ok" and r["end"] is not None]
+    return [[int(r["seq"]), round((float(r["end"]) - float(r["start"])) * 1e6)] for r in done[-WAITS_KEPT:]]
 
 
 def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bool:
@@ -140,7 +160,7 @@ def report(
     if store is None or st.size <= 1:
         return Report() if st.size <= 1 else None
     prefix = _prefix(st)
-    me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time()}
+    me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time(), "waits": waits(st)}
     try:
         mine = json.dumps(me)
         if not rung and store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
@@ -197,7 +217,56 @@ def _judge(st: GroupState, op: str, seq: int, records: dict[int, dict[str, Any]]
             out.timed_out.append(g)
             t = float(rec["t"])
             out.first_timeout_wall = t if out.first_timeout_wall is None else min(out.first_timeout_wall, t)
+    out.straggler = straggler({st.global_rank(r): rec.get("waits") for r, rec in records.items()})
     return out
+
+
+# A rank counts as last in an op when it waited at least this much less than every other rank
+# (below it, the order is scheduler noise), and is named when it was last in at least
+# STRAGGLER_SHARE of at least STRAGGLER_MIN_OPS ops that every answering rank completed.
+STRAGGLER_MARGIN_US = 100
+STRAGGLER_SHARE = 0.6
+STRAGGLER_MIN_OPS = 4
+
+
+def straggler(posted: dict[int, Any]) -> str | None:
+    """The straggler hint, from the waits each rank posted at the fault (no traffic while the job
+    is healthy). A collective ends on all ranks at about the same time, so the rank that arrived
+    last is the one that waited least: with clocks never compared across hosts, only the local
+    durations. What this cannot know: ranks that did not answer (no history), ops before the last
+    16, and by how much a rank was late in absolute time (only that it was last)."""
+    per_rank: dict[int, dict[int, int]] = {}
+    for rank, pairs in posted.items():
+        if not isinstance(pairs, list):
+            continue
+        got = {
+            p[0]: p[1]
+            for p in pairs
+            if isinstance(p, list)
+            and len(p) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
+        }
+        if got:
+            per_rank[rank] = got
+    if len(per_rank) < 2:
+        return None
+    common = sorted(set.intersection(*(set(w) for w in per_rank.values())))
+    if len(common) < STRAGGLER_MIN_OPS:
+        return None
+    last: dict[int, int] = {}
+    for seq in common:
+        order = sorted(per_rank, key=lambda r: per_rank[r][seq])
+        if per_rank[order[1]][seq] - per_rank[order[0]][seq] >= STRAGGLER_MARGIN_US:
+            last[order[0]] = last.get(order[0], 0) + 1
+    if not last:
+        return None
+    rank, count = max(last.items(), key=lambda kv: (kv[1], -kv[0]))
+    if count < max(STRAGGLER_MIN_OPS, STRAGGLER_SHARE * len(common)):
+        return None
+    return (
+        f"rank {rank} arrived last in {count} of the last {len(common)} ops every answering rank "
+        "completed: it is a straggler (slow data loading, a slower device or host, or more work)"
+    )
 
 
 def peer_closed_verdict(rep: Report | None, started_wall: float) -> tuple[str | None, str]:

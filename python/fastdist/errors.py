@@ -87,7 +87,8 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
     are alive but in another collective), ``last_seen`` (the collective every rank last completed
     together), ``cause`` (what the backend said, if the backend noticed first) and ``stacks``
     (global rank -> its innermost Python frames, ``"file:line in function"``, for each rank that
-    was elsewhere and answered; a missing rank absent from it did not answer).
+    was elsewhere and answered; a missing rank absent from it did not answer) and ``straggler``
+    (a line naming the rank that arrived last in most of the group's recent ops, if one did).
     """
 
     _fields = (
@@ -103,6 +104,7 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
         "last_seen",
         "cause",
         "stacks",
+        "straggler",
     )
 
     op: str
@@ -117,6 +119,7 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
     last_seen: str | None
     cause: str | None
     stacks: dict[int, list[str]] | None = None
+    straggler: str | None = None
 
     def _message(self) -> str:
         what = self.op if self.seq is None else f"{self.op} #{self.seq}"
@@ -160,6 +163,8 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
                 lines.append(f"rank {r} is not in a collective: {where}")
             else:
                 lines.append(f"rank {r} did not answer (stopped, dead, or holding the GIL in a long C call)")
+        if self.straggler:
+            lines.append(self.straggler)
         return "".join(f"\n  {line}" for line in lines)
 
 
