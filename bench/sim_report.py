@@ -80,6 +80,7 @@ def main() -> None:
             generation=0,
             my_global_rank=r,
             global_rank=lambda x: x,
+            ref=lambda: None,  # no torch group behind it: no history, no waits posted
         )
         ranks.append((r, st, counter, own, own))
     _bell.waiter = _own_waiter  # type: ignore[assignment]

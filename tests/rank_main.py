@@ -48,11 +48,13 @@ class Context:
 def main() -> None:
     scenario, rank, world_size, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     import scenarios
+    import scenarios_etcd
     import scenarios_watched
 
     ctx = Context(rank, world_size, port)
     try:
-        (getattr(scenarios, scenario, None) or getattr(scenarios_watched, scenario))(ctx)
+        module = next(m for m in (scenarios, scenarios_watched, scenarios_etcd) if hasattr(m, scenario))
+        getattr(module, scenario)(ctx)
     except Exception:
         ctx.record("crash", traceback=traceback.format_exc())
         sys.stdout.flush()

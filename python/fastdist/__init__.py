@@ -68,6 +68,7 @@ from .errors import (
     RendezvousTimeoutError,
     RpcTimeoutError,
 )
+from .etcd import EtcdStore
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .recovery import get_rank, get_world_size, init_process_group, recover
 
@@ -77,6 +78,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DeadlineScope",
+    "EtcdStore",
     "FastdistError",
     "GroupAbortedError",
     "RecoveryError",

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _keys
 from ._timeouts import current_time, engine
+from .etcd import queues_of
 
 if TYPE_CHECKING:
     from ._groups import GroupState
@@ -84,7 +85,7 @@ def _inbox(global_rank: int) -> str:
 
 
 def _deliver(store: Any, global_rank: int, record: str) -> None:
-    store.queue_push(_inbox(global_rank), record)
+    queues_of(store).queue_push(_inbox(global_rank), record)
 
 
 def _children(st: GroupState, root: int) -> list[int]:
@@ -175,10 +176,10 @@ class _Listener(threading.Thread):
     def run(self) -> None:
         global _waiter
         try:
-            conn = self.store.clone()  # this thread's own, for its blocking pops
+            conn = queues_of(self.store).clone()  # this thread's own, for its blocking pops
             conn.set_timeout(_FOREVER)
             _waiter = self.store.clone()
-        except Exception as exc:  # noqa: BLE001 - a store that cannot clone (a Python store)
+        except Exception as exc:  # noqa: BLE001 - a store that cannot clone (a Python store but ours)
             logger.debug("fastdist: no second connection to the store; faults are not propagated: %r", exc)
             return
         while True:

@@ -120,8 +120,12 @@ def waits(st: GroupState) -> list[list[int]]:
     pg = st.ref()
     if pg is None:
         return []
-    done = [r for r in _watch.history(pg) if r["outcome"] == "ok" and r["end"] is not None]
-    return [[int(r["seq"]), round((float(r["end"]) - float(r["start"])) * 1e6)] for r in done[-WAITS_KEPT:]]
+    try:
+        done = [r for r in _watch.history(pg) if r["outcome"] == "ok" and r["end"] is not None]
+        return [[int(r["seq"]), round((float(r["end"]) - float(r["start"])) * 1e6)] for r in done[-WAITS_KEPT:]]
+    except Exception as exc:  # noqa: BLE001 - a hint must never cost the report itself
+        logger.debug("fastdist: no waits for the straggler hint: %r", exc)
+        return []
 
 
 def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bool:

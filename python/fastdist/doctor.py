@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=3.0, help="seconds for each network check (default 3)"
     )
+    parser.add_argument(
+        "--store",
+        default=None,
+        help="check an etcd store instead: etcd://HOST:PORT[,HOST:PORT...]/JOB_ID (each endpoint in turn)",
+    )
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
 
 
@@ -179,6 +184,69 @@ def _version_check(ip: str, port: int, world_size: int | None, timeout: float) -
     return Check("versions", True, f"torch {mine['torch']}, fastdist {mine['fastdist']} match rank 0")
 
 
+def run_etcd_checks(url: str, timeout: float) -> list[Check]:
+    """Per endpoint of an etcd:// store: resolve, reach, and a read round trip with the server's
+    version and its cluster's leader. Ready when at least one endpoint answers (the job moves on
+    to the next one while one cannot be reached); every endpoint that cannot is a FAIL line."""
+    from .etcd import parse_url
+
+    endpoints, job, _ttl = parse_url(url)
+    checks: list[Check] = []
+    for host, port in endpoints:
+        where = f"etcd {host}:{port}"
+        try:
+            ip = rendezvous.resolve(host, min(timeout, rendezvous.RESOLVE_TIMEOUT))
+        except OSError as exc:
+            checks.append(
+                Check("resolve", False, f"{where}: {exc}", "check the endpoint's name, and DNS here")
+            )
+            continue
+        cause, took = rendezvous.probe(ip, port, timeout)
+        if cause == "refused":
+            checks.append(
+                Check("port", False, f"{where}: nothing is listening", "start etcd there (README: etcd)")
+            )
+            continue
+        if cause == "unreachable":
+            checks.append(
+                Check(
+                    "reach",
+                    False,
+                    f"{where}: unreachable, no answer within {timeout:g} s",
+                    "a firewall, a partition or a wrong network: check the route (nc -vz HOST PORT)",
+                )
+            )
+            continue
+        checks.append(Check("reach", True, f"{where}: TCP connect in {took * 1000:.2f} ms"))
+        try:
+            from etcd3gw.client import Etcd3Client
+
+            client = Etcd3Client(host=ip, port=port, timeout=timeout)
+            t0 = time.monotonic()
+            client.get(f"/fastdist/{job}/__doctor__")
+            rtt = time.monotonic() - t0
+            status = client.status()
+            led = int(status.get("leader", 0)) != 0
+            version = status.get("version", "?")
+            checks.append(
+                Check(
+                    "store",
+                    led,
+                    f"{where}: etcd {version}, read in {rtt * 1000:.2f} ms; the cluster "
+                    + ("has a leader" if led else "HAS NO LEADER"),
+                    "" if led else "a majority of the cluster's members must be up",
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - whatever the server said is the verdict
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            checks.append(
+                Check("store", False, f"{where}: accepts connections but is no working etcd: {text}", "")
+            )
+    if any(c.name == "store" and c.ok for c in checks):  # one answering endpoint is enough to run
+        checks = [Check(c.name, None if c.ok is False else c.ok, c.detail, c.fix) for c in checks]
+    return checks + _local_checks()
+
+
 def _local_checks() -> list[Check]:
     import torch
     import torch.distributed as dist
@@ -205,11 +273,19 @@ def _local_checks() -> list[Check]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.master_addr or not args.master_port:
+    if args.store:
+        if not args.store.startswith("etcd://"):
+            raise SystemExit(
+                f"fastdist doctor: --store takes etcd://HOST:PORT[,...]/JOB_ID, got {args.store!r}"
+            )
+        checks = run_etcd_checks(args.store, args.timeout)
+    elif not args.master_addr or not args.master_port:
         raise SystemExit(
-            "fastdist doctor: give --master-addr and --master-port (or set MASTER_ADDR and MASTER_PORT)"
+            "fastdist doctor: give --master-addr and --master-port (or set MASTER_ADDR and MASTER_PORT), "
+            "or --store etcd://..."
         )
-    checks = run_checks(args.master_addr, args.master_port, args.world_size, args.rank, args.timeout)
+    else:
+        checks = run_checks(args.master_addr, args.master_port, args.world_size, args.rank, args.timeout)
     healthy = all(c.ok is not False for c in checks)
     if args.json:
         print(json.dumps({"ok": healthy, "checks": [asdict(c) for c in checks]}, indent=2))

@@ -50,7 +50,11 @@ def init_process_group(
     **kwargs: Any,
 ) -> None:
     """``torch.distributed.init_process_group`` (env:// as torchrun sets it, ``tcp://``,
-    ``file://``, or a ``store``), keeping what :func:`recover` and the diagnostics need.
+    ``file://``, ``etcd://HOST:PORT[,HOST:PORT...]/JOB_ID``, or a ``store``), keeping what
+    :func:`recover` and the diagnostics need.
+
+    ``etcd://`` keeps the job's store in etcd (:class:`fastdist.EtcdStore`): it survives losing
+    any rank, rank 0 included; connection failures are diagnosed as below, per endpoint.
 
     For env:// (also the default when MASTER_ADDR is set) and tcp://, fastdist makes the store
     connection itself: retries with exponential backoff and jitter (``retries``, ``backoff``),
@@ -77,6 +81,30 @@ def init_process_group(
     configure_nccl_error_handling(backend)
     target = _tcp_target(init_method, store)
     hosts_store = False
+    if store is None and init_method is not None and init_method.startswith("etcd://"):
+        from .etcd import parse_url
+
+        endpoints, job, ttl = parse_url(init_method)
+        rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
+        world_size = (
+            int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
+        )
+        if rank is None or world_size is None:
+            raise ValueError(
+                "rank and world_size are needed (as arguments, or RANK and WORLD_SIZE in the environment)"
+            )
+        store = rdzv_mod.connect_etcd(
+            endpoints,
+            job,
+            ttl=ttl,
+            connect_timeout=connect,
+            retries=retries,
+            backoff=backoff,
+            store_timeout=td.total_seconds() if td is not None else 300.0,
+        )
+        rdzv_mod.check_versions(store, rank, world_size, *endpoints[0], timeout=connect)
+        init_method = None
+        diagnostics.store_location = f"etcd {','.join(f'{h}:{p}' for h, p in endpoints)} (job {job!r})"
     if target is not None:
         host, port = target
         rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank

@@ -197,6 +197,65 @@ def connect_store(
         time.sleep(pause)
 
 
+def connect_etcd(
+    endpoints: list[tuple[str, int]],
+    job: str,
+    *,
+    ttl: int = 60,
+    connect_timeout: float = 60.0,
+    retries: int | None = 3,
+    backoff: float = 0.5,
+    store_timeout: float = 300.0,
+) -> Any:
+    """A :class:`fastdist.EtcdStore` for ``job`` on the first of ``endpoints`` that answers,
+    probing each as :func:`connect_store` does (resolve, then a plain connect) and retrying
+    ``retries`` times with backoff. Raises :class:`RendezvousConnectionError` naming every
+    endpoint's cause (``cause``: the first endpoint's)."""
+    from .etcd import EtcdStore
+
+    budget = validate_seconds(connect_timeout, "connect_timeout")
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
+        raise ValueError(f"retries must be a non-negative int or None, got {retries!r}")
+    backoff = validate_seconds(backoff, "backoff")
+    start = time.monotonic()
+    deadline = start + budget
+    attempt = 0
+    while True:
+        attempt += 1
+        causes: list[tuple[str, str, int, str]] = []
+        for host, port in endpoints:
+            try:
+                addr = resolve(host, min(RESOLVE_TIMEOUT, max(deadline - time.monotonic(), 0.001)))
+            except OSError as exc:
+                causes.append(("unresolvable_address", host, port, str(exc)))
+                continue
+            cause, took = probe(addr, port, min(max(deadline - time.monotonic(), 0.001), 5.0))
+            if cause is None:
+                try:
+                    return EtcdStore([f"{h}:{p}" for h, p in endpoints], job, timeout=store_timeout, ttl=ttl)
+                except Exception as exc:  # noqa: BLE001 - it accepted a connection but is no etcd
+                    causes.append(("refused", host, port, f"not an etcd server, or not healthy: {exc}"))
+                    continue
+            causes.append((cause, host, port, f"after {took:.3f} s"))
+        for cause, host, port, detail in causes:
+            logger.info(
+                "rendezvous: attempt %d to reach etcd at %s:%d: %s (%s)", attempt, host, port, cause, detail
+            )
+        left = deadline - time.monotonic()
+        unresolvable = all(c[0] == "unresolvable_address" for c in causes)
+        if left <= 0 or unresolvable or (retries is not None and attempt > retries):
+            first = causes[0]
+            raise RendezvousConnectionError(
+                cause=first[0],
+                address=first[1],
+                port=first[2],
+                attempts=attempt,
+                elapsed=time.monotonic() - start,
+                detail="etcd endpoints: " + "; ".join(f"{h}:{p} {c} ({d})" for c, h, p, d in causes),
+            )
+        time.sleep(min(backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5), left))
+
+
 # What the version record must hold (rank 0 writes it; every other rank checks it).
 VERSION_FIELDS: dict[str, type | tuple[type, ...]] = {"torch": str, "fastdist": str, "world_size": int}
 

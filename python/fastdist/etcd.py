@@ -1,0 +1,529 @@
+"""An etcd-backed ``torch.distributed.Store``: a rendezvous store the job does not host itself.
+
+The default store of a job lives in one of its processes (rank 0's TCPStore, or torchrun's
+agent): lose that process and the who-is-missing reports, :func:`fastdist.recover` and every new
+group go with it. :class:`EtcdStore` keeps the same keys in etcd (one server, or a replicated
+cluster), so losing any rank loses nothing:
+
+    fastdist.init_process_group("gloo", "etcd://10.0.0.5:2379,10.0.0.6:2379/job-42", rank=r, world_size=n)
+
+It speaks etcd's v3 API through ``etcd3gw`` (the OpenStack client of etcd's gRPC gateway: pure
+Python over ``requests``, maintained, and with no gRPC or protobuf build to clash with torch's).
+
+- Every key lives under ``/fastdist/JOB/``. Every key is attached to one lease of the job, which
+  every process of the job keeps alive (one thread each, a refresh every ``ttl / 3`` seconds):
+  when the last process ends, or is killed, the job's keys vanish ``ttl`` seconds later.
+- ``wait`` (and ``get`` of a key not yet set) waits on an etcd watch from the revision it last
+  read, so no put is missed and nothing polls; the watch is re-armed every
+  ``WATCH_SLICE_SECONDS`` with one read, which is also when a lost member is noticed.
+- A request that cannot reach an endpoint moves on to the next one; all of them unreachable is a
+  ``torch.distributed.DistNetworkError`` naming each.
+- ``queue_push`` / ``queue_pop`` (fastdist's fault bell) are keys ordered by creation revision;
+  a pop deletes the oldest one in a transaction, so each item goes to exactly one popper.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 2379
+DEFAULT_TTL = 60
+# How long one watch runs before it is re-armed with a read (the read is also where a lost
+# member is noticed and the next endpoint taken).
+WATCH_SLICE_SECONDS = 2.0
+# Per HTTP request: connect, then read. A watch stream outlives neither (see WATCH_SLICE_SECONDS).
+CONNECT_SECONDS = 3.0
+READ_SECONDS = 10.0
+_FOREVER = 10.0 * 365 * 24 * 3600
+
+T = TypeVar("T")
+
+# Every store made, kept alive until close(): torch keeps only the C++ half of a Python store
+# (through a PrefixStore, for instance), and once the Python half is collected every call from
+# torch fails with "Tried to call pure virtual function". So a store handed to
+# init_process_group and dropped by its maker must not die with the maker's reference.
+_live: list[EtcdStore] = []
+_live_lock = threading.Lock()
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
+    """``"h1:2379,h2:2379"`` (or a list of ``"host[:port]"``) as ``[(host, port), ...]``."""
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    out = []
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(f"endpoints must be strings like 'HOST:PORT', got {item!r}")
+        item = item.strip().removeprefix("http://")
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, str(DEFAULT_PORT)
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"an etcd endpoint must look like HOST:PORT, got {item!r}")
+        out.append((host, int(port)))
+    if not out:
+        raise ValueError(f"endpoints names no etcd endpoint: {endpoints!r}")
+    return out
+
+
+def parse_url(url: str) -> tuple[list[tuple[str, int]], str, int]:
+    """``etcd://HOST:PORT[,HOST:PORT...]/JOB_ID[?ttl=SECONDS]`` as (endpoints, job id, ttl)."""
+    if not isinstance(url, str) or not url.startswith("etcd://"):
+        raise ValueError(f"an etcd store URL starts with etcd://, got {url!r}")
+    rest, _, query = url[len("etcd://") :].partition("?")
+    hosts, _, job = rest.partition("/")
+    job = job.strip("/")
+    if not job:
+        raise ValueError(f"an etcd store URL must name the job: etcd://HOST:PORT/JOB_ID, got {url!r}")
+    ttl = DEFAULT_TTL
+    for part in filter(None, query.split("&")):
+        name, _, value = part.partition("=")
+        if name != "ttl" or not value.isdigit() or int(value) < 2:
+            raise ValueError(
+                f"an etcd store URL takes ?ttl=SECONDS (2 or more) and nothing else, got {url!r}"
+            )
+        ttl = int(value)
+    return parse_endpoints(hosts), job, ttl
+
+
+def _encode_value(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, list):  # std::vector<uint8_t> from torch
+        return bytes(value)
+    raise TypeError(f"a store value must be bytes or str, got {type(value).__name__}")
+
+
+def _b64(data: str | bytes) -> str:
+    from etcd3gw.utils import _encode
+
+    return _encode(data)
+
+
+def _unb64(data: str) -> bytes:
+    from etcd3gw.utils import _decode
+
+    return _decode(data)
+
+
+def _range_end(prefix: str) -> str:
+    from etcd3gw.utils import _increment_last_byte
+
+    return _increment_last_byte(prefix)
+
+
+def _seconds(timeout: Any, name: str = "timeout") -> float:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{name} must be seconds or a timedelta, got {type(timeout).__name__}: {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"{name} must be positive, got {timeout!r}")
+    return float(timeout)
+
+
+class _Keepalive(threading.Thread):
+    """Refreshes the job's lease every ttl / 3 seconds while this process uses the store."""
+
+    def __init__(self, store: EtcdStore, lease_id: int, ttl: int) -> None:
+        super().__init__(name="fastdist-etcd-lease", daemon=True)
+        self.store_ref = weakref.ref(store)
+        self.lease_id = lease_id
+        self.ttl = ttl
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.ttl / 3.0):
+            store = self.store_ref()
+            if store is None:
+                return
+            try:
+                left = store._lease_refresh(self.lease_id)
+            except Exception as exc:  # noqa: BLE001 - etcd unreachable for now: the next refresh may do
+                logger.warning("fastdist: could not refresh the job's etcd lease: %s", exc)
+                continue
+            if left <= 0:
+                logger.error(
+                    "fastdist: the job's etcd lease expired (all its processes were away for %d s): "
+                    "its keys are gone",
+                    self.ttl,
+                )
+                return
+            del store
+
+
+class EtcdStore(dist.Store):
+    """A ``torch.distributed.Store`` on etcd's v3 API (see the module's docstring).
+
+    ``endpoints``: ``"HOST:PORT[,HOST:PORT...]"`` or a list of them (the members of one cluster);
+    ``prefix``: the job's id (keys live under ``/fastdist/PREFIX/``); ``timeout``: how long
+    ``get`` and ``wait`` wait for a key by default (seconds or ``timedelta``); ``ttl``: seconds
+    the job's keys outlive its last process.
+
+    Each instance is one HTTP connection pool; :meth:`clone` makes another (blocking waits use
+    their own). Safe to share between threads.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        prefix: str,
+        timeout: Any = 300.0,
+        ttl: int = DEFAULT_TTL,
+        *,
+        _lease: tuple[int, _Keepalive] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(prefix, str) or not prefix.strip("/"):
+            raise ValueError(f"prefix must be a non-empty string (the job's id), got {prefix!r}")
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 2:
+            raise ValueError(f"ttl must be an int of at least 2 seconds, got {ttl!r}")
+        self._endpoints = parse_endpoints(endpoints)
+        self._job = prefix.strip("/")
+        self._root = f"/fastdist/{self._job}/"
+        self._ttl = ttl
+        self._timeout = _seconds(timeout)
+        super().set_timeout(datetime.timedelta(seconds=self._timeout))
+        self._current = 0
+        self._clients = [self._client(h, p) for h, p in self._endpoints]
+        self._clones: list[EtcdStore] = []  # kept alive with this one (see _live)
+        if _lease is None:
+            lease_id = self._join_lease()
+            keepalive = _Keepalive(self, lease_id, ttl)
+            keepalive.start()
+            atexit.register(keepalive.stopped.set)
+            _lease = (lease_id, keepalive)
+            with _live_lock:
+                _live.append(self)
+        self._lease_id, self._keepalive = _lease
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _client(host: str, port: int) -> Any:
+        import requests
+        from etcd3gw.client import Etcd3Client
+
+        class _Session(requests.Session):
+            def request(self, *args: Any, **kwargs: Any) -> Any:  # every request bounded
+                kwargs.setdefault("timeout", (CONNECT_SECONDS, READ_SECONDS))
+                if kwargs["timeout"] is None:
+                    kwargs["timeout"] = (CONNECT_SECONDS, READ_SECONDS)
+                return super().request(*args, **kwargs)
+
+        # (requests takes a (connect, read) pair where etcd3gw's annotation says a number)
+        timeout = (CONNECT_SECONDS, READ_SECONDS)
+        return Etcd3Client(host=host, port=port, timeout=timeout, session=_Session())  # type: ignore[arg-type]
+
+    def _call(self, fn: Callable[[Any], T]) -> T:
+        """``fn(client)`` on the current endpoint, moving on to the next ones while they cannot
+        be reached; raises DistNetworkError naming each when none can."""
+        from etcd3gw import exceptions as ex
+
+        failures = []
+        for i in range(len(self._clients)):
+            idx = (self._current + i) % len(self._clients)
+            try:
+                out = fn(self._clients[idx])
+            except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as exc:
+                host, port = self._endpoints[idx]
+                failures.append(f"{host}:{port}: {_short(exc)}")
+                continue
+            if idx != self._current:
+                logger.info("fastdist: etcd endpoint %s:%d answers; using it", *self._endpoints[idx])
+                self._current = idx
+            return out
+        raise dist.DistNetworkError(
+            f"no etcd endpoint of job {self._job!r} can be reached: {'; '.join(failures)}"
+        )
+
+    def _txn(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> Any:
+        body = {"compare": compare, "success": success, "failure": failure or []}
+        return self._call(lambda c: c.transaction(body))
+
+    def _key(self, key: str) -> str:
+        if not isinstance(key, str):
+            raise TypeError(f"a store key must be a str, got {type(key).__name__}")
+        return self._root + key
+
+    def _put(self, key: str, value: bytes) -> dict[str, Any]:
+        return {"request_put": {"key": _b64(key), "value": _b64(value), "lease": self._lease_id}}
+
+    @staticmethod
+    def _range(key: str, **extra: Any) -> dict[str, Any]:
+        return {"request_range": {"key": _b64(key), **extra}}
+
+    def _read(self, keys: Iterable[str]) -> tuple[int, dict[str, tuple[bytes, int]]]:
+        """One consistent read of ``keys`` (full etcd keys): (revision, {key: (value, mod_revision)})."""
+        keys = list(keys)
+        resp = self._txn([], [self._range(k) for k in keys])
+        found: dict[str, tuple[bytes, int]] = {}
+        for r in resp.get("responses", []):
+            for kv in r.get("response_range", {}).get("kvs", []):
+                found[_unb64(kv["key"]).decode()] = (_unb64(kv.get("value", "")), int(kv["mod_revision"]))
+        return int(resp["header"]["revision"]), found
+
+    def _watch_put(self, key: str, revision: int, seconds: float, prefix: bool = False) -> None:
+        """Returns at the first put to ``key`` (or under it, ``prefix``) after ``revision``, or
+        after ``seconds``."""
+        from etcd3gw import exceptions as ex
+
+        def watch(c: Any) -> None:
+            kwargs: dict[str, Any] = {"start_revision": revision + 1, "filters": ["NODELETE"]}
+            if prefix:
+                kwargs["range_end"] = _range_end(key)
+            try:
+                c.watch_once(key, timeout=seconds, **kwargs)
+            except ex.WatchTimedOut:
+                pass
+
+        self._call(watch)
+
+    def _join_lease(self) -> int:
+        """The job's lease: made by the first process (and recorded under the job's root,
+        attached to itself), joined by the others."""
+        key = self._root + "__lease__"
+        for _ in range(10):
+            lease = self._call(lambda c: c.lease(self._ttl))
+            resp = self._txn(
+                [{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+                [{"request_put": {"key": _b64(key), "value": _b64(str(lease.id)), "lease": lease.id}}],
+                [self._range(key)],
+            )
+            if resp.get("succeeded"):
+                return int(lease.id)
+            lost = int(lease.id)  # another process made the job's lease first: ours goes
+
+            def revoke(c: Any, lost: int = lost) -> Any:
+                return c.post(c.get_url("/kv/lease/revoke"), json={"ID": lost})
+
+            self._call(revoke)
+            kvs = resp["responses"][0]["response_range"].get("kvs", [])
+            if kvs:
+                return int(_unb64(kvs[0]["value"]))
+        raise dist.DistStoreError(f"could not make or join the etcd lease of job {self._job!r}")
+
+    def _lease_refresh(self, lease_id: int) -> int:
+        resp = self._call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease_id}))
+        return int(resp.get("result", resp).get("TTL", 0))
+
+    def _timeout_error(self, keys: Sequence[str], seconds: float) -> Exception:
+        return dist.DistStoreError(f"wait timeout after {round(seconds * 1000)}ms, keys: {', '.join(keys)}")
+
+    # -- torch's Store ------------------------------------------------------------------------
+
+    def set(self, key: str, value: Any) -> None:
+        self._txn([], [self._put(self._key(key), _encode_value(value))])
+
+    def get(self, key: str) -> bytes:
+        full = self._key(key)
+        _, found = self._read([full])
+        if full not in found:
+            self.wait([key])
+            _, found = self._read([full])
+        return found[full][0]
+
+    def check(self, keys: list[str]) -> bool:
+        full = [self._key(k) for k in keys]
+        _, found = self._read(full)
+        return all(k in found for k in full)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        seconds = self._timeout if timeout is None else _seconds(timeout)
+        deadline = time.monotonic() + seconds
+        full = [self._key(k) for k in keys]
+        while True:
+            revision, found = self._read(full)
+            missing = [k for k in full if k not in found]
+            if not missing:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._timeout_error(list(keys), seconds)
+            self._watch_put(missing[0], revision, min(left, WATCH_SLICE_SECONDS))
+
+    def _update(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
+        """Read-modify-write of one key, retried until no one wrote it in between."""
+        full = self._key(key)
+        while True:
+            _, found = self._read([full])
+            old = found.get(full)
+            new = change(None if old is None else old[0])
+            compare = (
+                {"key": _b64(full), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+                if old is None
+                else {"key": _b64(full), "result": "EQUAL", "target": "MOD", "mod_revision": old[1]}
+            )
+            if self._txn([compare], [self._put(full, new)]).get("succeeded"):
+                return new
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._update(key, lambda old: str(int(old or b"0") + int(amount)).encode()))
+
+    def append(self, key: str, value: Any) -> None:
+        tail = _encode_value(value)
+        self._update(key, lambda old: (old or b"") + tail)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        """As TCPStore: sets ``desired`` if the key holds ``expected`` (or is unset and
+        ``expected`` is empty) and returns it; else returns the current value (or ``expected``
+        when the key is unset)."""
+        want, new = _encode_value(expected), _encode_value(desired)
+        full = self._key(key)
+        while True:
+            _, found = self._read([full])
+            old = found.get(full)
+            if old is None and want:
+                return want
+            if old is not None and old[0] != want:
+                return old[0]
+            compare = (
+                {"key": _b64(full), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+                if old is None
+                else {"key": _b64(full), "result": "EQUAL", "target": "MOD", "mod_revision": old[1]}
+            )
+            if self._txn([compare], [self._put(full, new)]).get("succeeded"):
+                return new
+
+    def delete_key(self, key: str) -> bool:
+        full = self._key(key)
+        resp = self._txn([], [{"request_delete_range": {"key": _b64(full)}}])
+        return bool(int(resp["responses"][0]["response_delete_range"].get("deleted", 0)))
+
+    def num_keys(self) -> int:
+        """How many keys the job holds (its lease record included)."""
+        resp = self._txn(
+            [], [self._range(self._root, range_end=_b64(_range_end(self._root)), count_only=True)]
+        )
+        return int(resp["responses"][0]["response_range"].get("count", 0))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._txn([], [self._put(self._key(k), _encode_value(v)) for k, v in zip(keys, values)])
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._timeout = _seconds(timeout)
+        super().set_timeout(datetime.timedelta(seconds=min(self._timeout, _FOREVER)))
+
+    def clone(self) -> EtcdStore:
+        """Another connection pool to the same job (same lease, same keys)."""
+        twin = EtcdStore(
+            [f"{h}:{p}" for h, p in self._endpoints],
+            self._job,
+            timeout=min(self._timeout, _FOREVER),
+            ttl=self._ttl,
+            _lease=(self._lease_id, self._keepalive),
+        )
+        self._clones.append(twin)
+        return twin
+
+    # -- queues (torch does not forward these from a PrefixStore to a Python store) ------------
+
+    def _queue(self, key: str) -> str:
+        return self._root + "__queue__/" + key + "/"
+
+    def queue_push(self, key: str, value: Any) -> None:
+        self._txn([], [self._put(self._queue(key) + uuid.uuid4().hex, _encode_value(value))])
+
+    def queue_len(self, key: str) -> int:
+        q = self._queue(key)
+        resp = self._txn([], [self._range(q, range_end=_b64(_range_end(q)), count_only=True)])
+        return int(resp["responses"][0]["response_range"].get("count", 0))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """The oldest item of queue ``key``, removed; waits for one up to the store's timeout
+        (``block``), else raises at once when the queue is empty."""
+        q = self._queue(key)
+        seconds = self._timeout
+        deadline = time.monotonic() + seconds
+        while True:
+            resp = self._txn(
+                [],
+                [self._range(q, range_end=_b64(_range_end(q)), sort_order=1, sort_target=2, limit=1)],
+            )  # sort_order 1 = ascending, sort_target 2 = creation revision
+            kvs = resp["responses"][0]["response_range"].get("kvs", [])
+            if kvs:
+                kv = kvs[0]
+                taken = self._txn(
+                    [
+                        {
+                            "key": kv["key"],
+                            "result": "EQUAL",
+                            "target": "MOD",
+                            "mod_revision": int(kv["mod_revision"]),
+                        }
+                    ],
+                    [{"request_delete_range": {"key": kv["key"]}}],
+                )
+                if taken.get("succeeded"):
+                    return _unb64(kv.get("value", ""))
+                continue  # another popper took it
+            if not block:
+                raise dist.DistStoreError(f"queue {key!r} is empty")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._timeout_error([key], seconds)
+            self._watch_put(q, int(resp["header"]["revision"]), min(left, WATCH_SLICE_SECONDS), prefix=True)
+
+    # -- the job's end --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops this process's lease refresh: the job's keys vanish ``ttl`` seconds after the
+        last process stopped refreshing (or exited). The store must not be used by torch after."""
+        self._keepalive.stopped.set()
+        with _live_lock:
+            if self in _live:
+                _live.remove(self)
+
+    def delete_all(self) -> None:
+        """Deletes every key of the job now (for a job that is over on every rank)."""
+        self._txn(
+            [],
+            [{"request_delete_range": {"key": _b64(self._root), "range_end": _b64(_range_end(self._root))}}],
+        )
+
+    @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        return list(self._endpoints)
+
+    @property
+    def job(self) -> str:
+        return self._job
+
+    def __repr__(self) -> str:
+        hosts = ",".join(f"{h}:{p}" for h, p in self._endpoints)
+        return f"EtcdStore('{hosts}', job={self._job!r})"
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:200]
+
+
+def queues_of(store: Any) -> Any:
+    """The store that holds fastdist's queues: the :class:`EtcdStore` under torch's
+    PrefixStores (torch does not forward queue calls to a Python store), else ``store``."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    return inner if isinstance(inner, EtcdStore) else store
