@@ -513,7 +513,11 @@ def bench_recovery(ctx) -> None:
     import os
 
     spawned = float(os.environ.get("FASTDIST_SPAWNED_AT", "0"))
-    ctx.init()
+    if os.environ.get("FASTDIST_TEST_ETCD_URL"):  # bench/test_etcd_store.py: the store in etcd
+        url = os.environ["FASTDIST_TEST_ETCD_URL"]
+        fastdist.init_process_group("gloo", url, rank=ctx.rank, world_size=ctx.world_size, timeout=60)
+    else:
+        ctx.init()
     fastdist.barrier(timeout=30)
     ctx.record("started", seconds_since_spawn=time.time() - spawned if spawned else -1)
     for _ in range(int(os.environ.get("FASTDIST_BENCH_CYCLES", "3"))):

@@ -425,7 +425,13 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
     store = dist.HashStore()
     st = types.SimpleNamespace(
         ref=lambda: None,
-        store=store, size=3, rank=0, name="g", generation=0, my_global_rank=0, global_rank=lambda r: r
+        store=store,
+        size=3,
+        rank=0,
+        name="g",
+        generation=0,
+        my_global_rank=0,
+        global_rank=lambda r: r,
     )
     prefix = _keys.key("diag", "g", 0)
     store.append(f"{prefix}/status", "{not json\n")
