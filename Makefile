@@ -32,12 +32,12 @@ check: setup
 	scripts/sanitize
 
 test: check
-	scripts/install-etcd
+	scripts/install-test-deps
 	$(PY) -m pytest
 
 # The benchmarks (about 4 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.
 bench: setup
-	scripts/install-etcd
+	scripts/install-test-deps
 	mkdir -p bench/results
 	$(PY) -m pytest bench -q -s -o addopts="" --benchmark-json=bench/results/latest.json
 	$(PY) bench/report.py bench/results/latest.json

@@ -160,8 +160,15 @@ def stop(timeout: float = 1.0) -> None:
         listener, _listener = _listener, None
     if listener is None or not listener.is_alive():
         return
+    from ._bounded import bounded
+
     try:
-        _deliver(listener.store, listener.rank, json.dumps({"kind": "exit"}))
+        # Bounded: behind a store call stuck on a partition, the push would wait for minutes.
+        bounded(
+            lambda _a: _deliver(listener.store, listener.rank, json.dumps({"kind": "exit"})),
+            timeout,
+            "the bell",
+        )
     except Exception as exc:  # noqa: BLE001 - the store is gone: so is the listener's wait
         logger.debug("fastdist: could not wake the listener: %r", exc)
     listener.join(timeout)

@@ -322,6 +322,18 @@ def is_watched(pg: Any) -> bool:
     return backend_of(pg) is not None
 
 
+# Groups a shrinking recover() replaced with new ones: kept alive while their abandoned work is
+# in flight (for its late errors), but never rebuilt again.
+_retired: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def retire(pgs: list[Any]) -> None:
+    """``pgs`` were replaced by new groups: later in-place recoveries leave them out."""
+    with _lock:
+        for pg in pgs:
+            _retired.add(pg)
+
+
 def watched_groups() -> list[Any]:
     """Every live watched group of this process, oldest first: the order they were made in,
     which is the same on every rank (torch makes groups in the same order everywhere), so that
@@ -334,7 +346,7 @@ def watched_groups() -> list[Any]:
     seen: set[int] = set()
     for _ctl, (ref, _device) in entries:
         pg = ref()
-        if pg is not None and id(pg) not in seen:
+        if pg is not None and id(pg) not in seen and pg not in _retired:
             seen.add(id(pg))
             out.append(pg)
     return out

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import _keys
+from ._bounded import GRACE_SECONDS, bounded
 from ._timeouts import current_time
 
 if TYPE_CHECKING:
@@ -122,7 +123,8 @@ def waits(st: GroupState) -> list[list[int]]:
         return []
     try:
         done = [r for r in _watch.history(pg) if r["outcome"] == "ok" and r["end"] is not None]
-        return [[int(r["seq"]), round((float(r["end"]) - float(r["start"])) * 1e6)] for r in done[-WAITS_KEPT:]]
+        recent = done[-WAITS_KEPT:]
+        return [[int(r["seq"]), round((float(r["end"]) - float(r["start"])) * 1e6)] for r in recent]
     except Exception as exc:  # noqa: BLE001 - a hint must never cost the report itself
         logger.debug("fastdist: no waits for the straggler hint: %r", exc)
         return []
@@ -165,18 +167,22 @@ def report(
         return Report() if st.size <= 1 else None
     prefix = _prefix(st)
     me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time(), "waits": waits(st)}
-    try:
+    later = max(0.0, (until or 0.0) - time.monotonic())
+    span = later + window(budget, st.size)
+
+    def work(_abandoned: threading.Event) -> bytes:  # (late posts to a closed board are harmless)
         mine = json.dumps(me)
         if not rung and store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
             _bell.ring(st, me)  # the first to report: every other live rank learns it now
         post_status(st, me)  # (a no-op when this rank was rung first and has posted already)
         # Until everyone posted or the window closes: whichever reporter's window ends first
         # closes it for all (a rung rank only collects: its ringer closes it).
-        later = max(0.0, (until or 0.0) - time.monotonic())
-        _bell.wait_key(
-            store, f"{prefix}/complete", current_time() + later + window(budget, st.size), close=not rung
-        )
-        raw = store.get(f"{prefix}/status")
+        _bell.wait_key(store, f"{prefix}/complete", current_time() + span, close=not rung)
+        return bytes(store.get(f"{prefix}/status"))
+
+    try:
+        # A store cut off by the network would hold this rank here for minutes: bounded.
+        raw = bounded(work, span + GRACE_SECONDS, "the report's store work")
     except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
         global store_failure
         store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -19,12 +19,14 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import warnings
 from typing import Any
 
 import torch.distributed as dist
 
-from . import _bell, _groups, _keys, _polled, _watch, diagnostics
+from . import _bell, _bounded, _groups, _keys, _polled, _watch, diagnostics
+from ._bounded import GRACE_SECONDS, StoreUnanswered, bounded
 from ._timeouts import RendezvousTimeout, TimeoutLike, current_time, effective_deadline, validate_seconds
 from .errors import RecoveryError
 
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 # What the default group was built with, for rebuilding it.
 _lineage: dict[str, Any] = {"backend": None, "timeout": None, "root": None}
+_LINEAGE_PROBE = _keys.key("lineage")
 
 
 def init_process_group(
@@ -79,6 +82,7 @@ def init_process_group(
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
     configure_nccl_error_handling(backend)
+    _lineage["reconnect"] = None
     target = _tcp_target(init_method, store)
     hosts_store = False
     if store is None and init_method is not None and init_method.startswith("etcd://"):
@@ -136,6 +140,21 @@ def init_process_group(
             # torchrun's agent keeps its store across restarts of the worker group: torch's own keys
             # (gloo's addresses) of the last attempt must not be read by this one.
             store = dist.PrefixStore(_keys.key("pg") + "/", store)
+        store_seconds = td.total_seconds() if td is not None else 300.0
+
+        def reconnect() -> Any:
+            """A new connection to the job's store, under the prefixes of the default store: ours
+            under torchrun's agent, then torch's group prefix ("GROUP_NAME/"), checked against a
+            key written through the original at init."""
+            fresh: Any = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=store_seconds))
+            if agent:
+                fresh = dist.PrefixStore(_keys.key("pg") + "/", fresh)
+            fresh = dist.PrefixStore(f"{_lineage['group_name']}/", fresh)
+            if not fresh.check([_LINEAGE_PROBE]):
+                raise RuntimeError("a new connection to the store does not see the job's keys")
+            return fresh
+
+        _lineage["reconnect"] = reconnect
     if rdzv is not None:
         if store is None:
             raise ValueError("rendezvous_timeout needs env://, tcp:// or a store")
@@ -158,7 +177,14 @@ def init_process_group(
         world_size=-1 if world_size is None else world_size,
         **kwargs,
     )
-    _lineage.update(backend=dist.get_backend(), timeout=td, root=dist.distributed_c10d._get_default_store())
+    _lineage.update(
+        backend=dist.get_backend(),
+        timeout=td,
+        root=dist.distributed_c10d._get_default_store(),
+        group_name=dist.distributed_c10d._get_default_group().group_name,
+    )
+    if _lineage.get("reconnect") is not None:
+        _lineage["root"].set(_LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
     from . import _bell
 
     _bell.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
@@ -282,7 +308,20 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
         )
 
     try:
-        members = _agree(store, st, gen, deadline, allow_shrink)
+        if _bounded.stuck():
+            # A store call given up on earlier (a partition) still holds the old connection until
+            # TCP's next retransmission, which backs off to minutes (and clone() waits behind it
+            # too): a new connection answers at once once the network is back.
+            make = _lineage.get("reconnect") or store.clone
+            store = bounded(lambda _a: make(), deadline - current_time() + GRACE_SECONDS, "a new connection")
+            if is_default:
+                _lineage["root"] = store
+        # Bounded: a store cut off by the network would otherwise hold this rank for minutes.
+        members = bounded(
+            lambda abandoned: _agree(store, st, gen, deadline, allow_shrink, abandoned),
+            deadline - current_time() + GRACE_SECONDS,
+            "the recovery agreement's store work",
+        )
     except (RuntimeError, ConnectionError) as exc:  # dist.DistError and its kin: the store is gone
         diagnostics.store_failure = (
             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -319,8 +358,10 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
         old_groups = _watch.watched_groups() or [pg]
         new = _rebuild_default(gen, new_rank, new_size)
         _watch.reset_ddp(old_groups, new)
+        _watch.retire(old_groups)
     else:
         new = dist.new_group(members, timeout=_lineage["timeout"], use_local_synchronization=True)
+        _watch.retire([pg])
     _groups.release_finished()
     logger.info(
         "rank %d: group %r rebuilt as generation %d: rank %d of %d", me, st.name, gen, new_rank, new_size
@@ -328,8 +369,17 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     return new
 
 
-def _agree(store: Any, st: _groups.GroupState, gen: int, deadline: float, allow_shrink: bool) -> list[int]:
-    """The sorted global ranks of the new generation, the same on every member."""
+def _agree(
+    store: Any,
+    st: _groups.GroupState,
+    gen: int,
+    deadline: float,
+    allow_shrink: bool,
+    abandoned: threading.Event | None = None,
+) -> list[int]:
+    """The sorted global ranks of the new generation, the same on every member. ``abandoned``
+    (set when the caller stopped waiting for an unanswering store): this rank must not join the
+    agreement late, as a member nobody will see."""
     key = _keys.key("recover", st.name)
     me = st.my_global_rank
     if store.check([f"{key}/latest"]):
@@ -346,6 +396,8 @@ def _agree(store: Any, st: _groups.GroupState, gen: int, deadline: float, allow_
     # blocking wait on one key (set by the last to arrive, or by the first deadline), then one
     # compare-and-set that fixes how many arrivals are in, and one read of the list.
     base = f"{key}/{gen}"
+    if abandoned is not None and abandoned.is_set():
+        raise StoreUnanswered("the caller gave up on the store before this rank joined the agreement")
     n = store.add(f"{base}/count", 1)
     store.append(f"{base}/members", f"{n}:{me}\n")
     if n >= st.size:

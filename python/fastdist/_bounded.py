@@ -1,0 +1,93 @@
+"""Store work on the fault paths, bounded in time.
+
+A TCPStore call to a store whose host dropped off the network (packets vanish, no reset) does not
+return: the store's timeout bounds only waits for keys, and TCP retransmits for many minutes
+(tests/test_netfaults.py measured an ``add`` still blocked after 200 s). The report, the ring and
+the recovery agreement run their store work through :func:`bounded`: in a helper thread, waited
+for until a deadline, after which the caller gets :class:`StoreUnanswered` (a diagnosed "the
+store cannot be reached" error) instead of a hang. The helper stays blocked until TCP gives up or
+the network comes back; the store client serializes its calls, so a later call waits behind it,
+bounded in the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# What store work gets beyond the protocol's own wait (a report's window, a recovery's deadline):
+# a healthy store answers in well under a millisecond, a loaded one in tens.
+GRACE_SECONDS = 2.0
+
+
+_blocked = 0  # helpers given up on and still blocked in a store call
+_blocked_lock = threading.Lock()
+
+
+# At exit: a helper that returns from its store call while the interpreter finalizes is killed
+# inside C++, and the process aborts ("terminate called without an active exception"). The
+# network may have come back (then the call returns within one TCP retransmission): wait for it.
+EXIT_DRAIN_SECONDS = 15.0
+
+
+@atexit.register
+def _drain() -> None:
+    end = time.monotonic() + EXIT_DRAIN_SECONDS
+    while _blocked > 0 and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def stuck() -> bool:
+    """Whether a store call this process gave up on is still blocked: then its connection is
+    held behind it (a fresh one answers at once once the network is back)."""
+    return _blocked > 0
+
+
+class StoreUnanswered(ConnectionError):
+    """The job's store did not answer in time (its host is unreachable, or it is overloaded)."""
+
+
+def bounded(fn: Callable[[threading.Event], T], seconds: float, what: str) -> T:
+    """``fn(abandoned)``, or :class:`StoreUnanswered` if it has not returned within ``seconds``
+    (an infinite bound runs ``fn`` in the caller's thread). ``abandoned`` is set when the caller
+    gave up: work that would change shared state must look at it before each change, so that an
+    abandoned helper, unblocked later, does not act for a caller that has moved on."""
+    abandoned = threading.Event()
+    if not math.isfinite(seconds):
+        return fn(abandoned)
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        global _blocked
+        try:
+            box["value"] = fn(abandoned)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            box["error"] = exc
+        finally:
+            with _blocked_lock:
+                done.set()
+                if abandoned.is_set():
+                    _blocked -= 1
+
+    threading.Thread(target=run, name="fastdist-store-call", daemon=True).start()
+    if not done.wait(max(seconds, 0.0)):
+        global _blocked
+        with _blocked_lock:
+            if not done.is_set():
+                abandoned.set()
+                _blocked += 1
+        if abandoned.is_set():
+            raise StoreUnanswered(
+                f"no answer to {what} within {seconds:.1f} s: its host is unreachable (a network partition?) "
+                "or overloaded"
+            )
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
