@@ -84,6 +84,10 @@ def main() -> None:
         )
         ranks.append((r, st, counter, own, own))
     _bell.waiter = _own_waiter  # type: ignore[assignment]
+    # The report's store work runs in the simulated rank's own thread (in a job it runs in a
+    # bounded helper thread: the same store operations, but the per-thread waiters above would
+    # not follow it there).
+    diagnostics.bounded = lambda fn, seconds, what: fn(threading.Event())  # type: ignore[assignment]
     done: dict[int, float] = {}
 
     def rung(r: int, st: Any, counter: list[int], listen: Any, wait: Any) -> None:

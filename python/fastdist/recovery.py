@@ -181,10 +181,14 @@ def init_process_group(
         backend=dist.get_backend(),
         timeout=td,
         root=dist.distributed_c10d._get_default_store(),
-        group_name=dist.distributed_c10d._get_default_group().group_name,
     )
     if _lineage.get("reconnect") is not None:
-        _lineage["root"].set(_LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
+        try:
+            _lineage["group_name"] = dist.distributed_c10d._get_default_group().group_name
+        except RuntimeError:  # a backend without a group name: no second connection then
+            _lineage["reconnect"] = None
+        else:
+            _lineage["root"].set(_LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
     from . import _bell
 
     _bell.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
