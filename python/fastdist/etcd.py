@@ -360,19 +360,26 @@ class EtcdStore(dist.Store):
                 raise self._timeout_error(list(keys), seconds)
             self._watch_put(missing[0], revision, min(left, WATCH_SLICE_SECONDS))
 
-    def _update(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
-        """Read-modify-write of one key, retried until no one wrote it in between."""
+    @staticmethod
+    def _unchanged_since(full: str, old: tuple[bytes, int] | None) -> dict[str, Any]:
+        """The transaction's condition: ``full`` is still unset (``old`` None), or unwritten
+        since the read that gave ``old``."""
+        if old is None:
+            return {"key": _b64(full), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        return {"key": _b64(full), "result": "EQUAL", "target": "MOD", "mod_revision": old[1]}
+
+    def _update(self, key: str, change: Callable[[bytes | None], bytes | None]) -> bytes:
+        """Read-modify-write of one key, retried until no one wrote it in between. ``change``
+        gets the value (None: unset) and returns the new one, or None to write nothing; the
+        result is what was written, or the value read when nothing was (b"" when unset)."""
         full = self._key(key)
         while True:
             _, found = self._read([full])
             old = found.get(full)
             new = change(None if old is None else old[0])
-            compare = (
-                {"key": _b64(full), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
-                if old is None
-                else {"key": _b64(full), "result": "EQUAL", "target": "MOD", "mod_revision": old[1]}
-            )
-            if self._txn([compare], [self._put(full, new)]).get("succeeded"):
+            if new is None:
+                return b"" if old is None else old[0]
+            if self._txn([self._unchanged_since(full, old)], [self._put(full, new)]).get("succeeded"):
                 return new
 
     def add(self, key: str, amount: int) -> int:
@@ -387,21 +394,11 @@ class EtcdStore(dist.Store):
         ``expected`` is empty) and returns it; else returns the current value (or ``expected``
         when the key is unset)."""
         want, new = _encode_value(expected), _encode_value(desired)
-        full = self._key(key)
-        while True:
-            _, found = self._read([full])
-            old = found.get(full)
-            if old is None and want:
-                return want
-            if old is not None and old[0] != want:
-                return old[0]
-            compare = (
-                {"key": _b64(full), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
-                if old is None
-                else {"key": _b64(full), "result": "EQUAL", "target": "MOD", "mod_revision": old[1]}
-            )
-            if self._txn([compare], [self._put(full, new)]).get("succeeded"):
-                return new
+        if not want:
+            return self._update(key, lambda old: new if not old else None)
+        got = self._update(key, lambda old: new if old == want else None)
+        # b"": the key is unset (then TCPStore answers ``expected``) or holds b"".
+        return got if got or self.check([key]) else want
 
     def delete_key(self, key: str) -> bool:
         full = self._key(key)

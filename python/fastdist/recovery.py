@@ -89,14 +89,7 @@ def init_process_group(
         from .etcd import parse_url
 
         endpoints, job, ttl = parse_url(init_method)
-        rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
-        world_size = (
-            int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
-        )
-        if rank is None or world_size is None:
-            raise ValueError(
-                "rank and world_size are needed (as arguments, or RANK and WORLD_SIZE in the environment)"
-            )
+        rank, world_size = _rank_and_size(rank, world_size)
         store = rdzv_mod.connect_etcd(
             endpoints,
             job,
@@ -111,14 +104,7 @@ def init_process_group(
         diagnostics.store_location = f"etcd {','.join(f'{h}:{p}' for h, p in endpoints)} (job {job!r})"
     if target is not None:
         host, port = target
-        rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
-        world_size = (
-            int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
-        )
-        if rank is None or world_size is None:
-            raise ValueError(
-                "rank and world_size are needed (as arguments, or RANK and WORLD_SIZE in the environment)"
-            )
+        rank, world_size = _rank_and_size(rank, world_size)
         # Under torchrun the agent hosts the store on MASTER_PORT: every worker is a client.
         agent = (init_method or "env://").startswith("env://") and _keys.agent_hosts_store()
         hosts_store = rank == 0 and not agent
@@ -192,6 +178,18 @@ def init_process_group(
     from . import _bell
 
     _bell.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
+
+
+def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The arguments, else RANK and WORLD_SIZE from the environment (as torchrun sets them)."""
+    rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
+    if world_size is None and "WORLD_SIZE" in os.environ:
+        world_size = int(os.environ["WORLD_SIZE"])
+    if rank is None or world_size is None:
+        raise ValueError(
+            "rank and world_size are needed (as arguments, or RANK and WORLD_SIZE in the environment)"
+        )
+    return rank, world_size
 
 
 def _tcp_target(init_method: str | None, store: Any | None) -> tuple[str, int] | None:
