@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -33,11 +34,11 @@ def test_the_error_says_where_each_rank_is_and_the_others_raise_at_once(tmp_path
     for r in results[:2]:
         b = r.record("b")
         assert b["missing"] == [2] and "rank 2 did not answer" in b["message"], info
-        # Rank 2 came 50 ms late to 6 of the 7 ops before the timeout (the barrier after recover()
-        # was on time): the straggler hint.
+        # Rank 2 came 50 ms late to 6 of the 7 ops before the timeout: the straggler hint (6 of 7,
+        # or 7 of 7 when it also reached the barrier after recover() last: a CI run saw that).
         c = r.record("c")
-        assert c["straggler"] is not None and c["straggler"].startswith(
-            "rank 2 arrived last in 6 of the last 7"
+        assert c["straggler"] is not None and re.match(
+            r"rank 2 arrived last in [67] of the last 7 ", c["straggler"]
         ), info
         assert c["straggler"] in c["message"], info
 
