@@ -12,6 +12,11 @@ and the Python stack of the thread that issued it, or of its main thread when it
 the group's board, then fails its ops in flight on the group (their waiters raise at once; on
 NCCL the communicators are aborted) or, with none in flight, marks the group dead.
 
+The waits on the store that close at a deadline (the report's board, the recovery agreement) go
+through :func:`wait_key`: the closing itself is store work, so it runs on one closer thread per
+process (idle until a deadline), never on the engine's executor, through which every deadline of
+the process fires.
+
 What is and is not possible: a rank stopped (SIGSTOP), dead, or holding the GIL in a long C call
 cannot answer; the report says it did not answer. On gloo an op in flight cannot be aborted:
 fastdist ends the op for its caller at once, while gloo's worker finishes it at its own per-call
@@ -25,13 +30,16 @@ import datetime
 import json
 import logging
 import os
+import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _keys
+import torch.distributed as dist
+
+from . import _bounded, _keys
 from ._timeouts import current_time, engine
 from .etcd import queues_of
 
@@ -118,29 +126,99 @@ def ring(st: GroupState, status: dict[str, Any]) -> None:
         logger.debug("fastdist: could not ring the group: %r", exc)
 
 
-def wait_key(store: Any, key: str, deadline: float, close: bool = True) -> None:
-    """Blocks until ``key`` is set in ``store``: without polling, on the wait connection, when it
-    is free (else polling every 5 ms). With ``close``, an engine action sets the key at
-    ``deadline`` (:func:`fastdist.current_time`'s clock) if nobody has, so that every rank waiting
-    on it wakes by the first such deadline (the report window, the recovery agreement)."""
+def at_deadline(deadline: float, work: Callable[[], object], what: str) -> Any:
+    """Runs ``work`` (store work) at ``deadline`` (:func:`fastdist.current_time`'s clock) on
+    fastdist's closer thread, unless the returned handle is cancelled first. Never on the
+    engine's executor: a store call can block for minutes (a partition), and every deadline of
+    the process fires through that executor."""
+    return _Closing(deadline, work, what)
 
-    def close_it() -> None:
+
+class _Closing:
+    """One closer's work: queued by an engine action at its deadline, skipped when cancelled
+    before the closer thread reaches it."""
+
+    def __init__(self, deadline: float, work: Callable[[], object], what: str) -> None:
+        self.work = work
+        self.what = what
+        self.cancelled = False
+        self.token = engine().add(deadline, self._queue)
+
+    def _queue(self) -> None:
+        _bounded.call_queued()
+        _closer_queue().put(self)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.token.cancel()
+
+
+_closings: queue.SimpleQueue[_Closing] | None = None
+
+
+def _closer_queue() -> queue.SimpleQueue[_Closing]:
+    """The closer thread's queue; the thread (one per process, idle until a deadline) starts
+    with the first use."""
+    global _closings
+    with _lock:
+        if _closings is None:
+            _closings = queue.SimpleQueue()
+            threading.Thread(
+                target=_run_closers, args=(_closings,), name="fastdist-closer", daemon=True
+            ).start()
+        return _closings
+
+
+def _run_closers(todo: queue.SimpleQueue[_Closing]) -> None:
+    while True:
+        job = todo.get()
         try:
-            store.compare_set(key, "", "deadline")
-        except Exception as exc:  # noqa: BLE001 - the waiters' own bounded wait ends anyway
-            logger.debug("fastdist: closing %s failed: %r", key, exc)
+            if not job.cancelled:
+                job.work()
+        except Exception as exc:  # noqa: BLE001 - the waiters' own bounded waits end anyway
+            logger.debug("fastdist: %s failed: %r", job.what, exc)
+        finally:
+            _bounded.call_done()
 
-    closer = engine().add(deadline, close_it) if close else None
+
+# How long past the deadline a waiter whose closer runs at the deadline waits for the key: the
+# closer's store work takes milliseconds; past this it failed (the store is failing).
+CLOSER_MARGIN_SECONDS = 5.0
+
+
+def wait_key(
+    store: Any,
+    key: str,
+    deadline: float,
+    closer: Callable[[], object] | None = None,
+    close_at: float | None = None,
+) -> bool:
+    """Blocks until ``key`` is set in ``store`` or ``deadline`` (:func:`fastdist.current_time`'s
+    clock) passes; True when it is set. Without polling, on the wait connection, when it is free
+    (else polling every 5 ms). ``closer``, when given, runs at ``close_at`` (default: the
+    deadline) unless the key came first: it sets the key if nobody has, so that every rank
+    waiting on it wakes by the first such deadline."""
+    when = deadline if close_at is None else close_at
+    token = at_deadline(when, closer, f"closing {key}") if closer else None
+    # A closer at the deadline sets the key by then: the margin only covers one that failed.
+    # Without, the wait ends at the deadline (torch logs a line then).
+    end = deadline + (CLOSER_MARGIN_SECONDS if closer is not None and close_at is None else 0.0)
     try:
         with waiter() as conn:
             if conn is not None:
-                conn.wait([key], datetime.timedelta(seconds=max(0.0, deadline - current_time()) + 5.0))
-                return
-        while not store.check([key]) and current_time() < deadline:
+                try:
+                    conn.wait([key], datetime.timedelta(seconds=max(0.001, end - current_time())))
+                except dist.DistStoreError:  # the wait's timeout (the store itself failing raises others)
+                    return False
+                return True
+        while not store.check([key]):
+            if current_time() >= end:
+                return False
             time.sleep(_POLL_SECONDS)
+        return True
     finally:
-        if closer is not None:
-            closer.cancel()
+        if token is not None:
+            token.cancel()
 
 
 def start(store: Any, global_rank: int) -> None:
@@ -160,11 +238,9 @@ def stop(timeout: float = 1.0) -> None:
         listener, _listener = _listener, None
     if listener is None or not listener.is_alive():
         return
-    from ._bounded import bounded
-
     try:
         # Bounded: behind a store call stuck on a partition, the push would wait for minutes.
-        bounded(
+        _bounded.bounded(
             lambda _a: _deliver(listener.store, listener.rank, json.dumps({"kind": "exit"})),
             timeout,
             "the bell",
@@ -243,7 +319,10 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
                 "stack": stack_of(main),
                 "waits": diagnostics.waits(st),
             }
-        diagnostics.post_status(st, status, store)
+        if diagnostics.post_status(st, status, store):
+            # This rank's post completed the board: it publishes the summary, before it ends its
+            # ops (ending one can run that op's own report, which waits for the summary, here).
+            diagnostics.publish(st, store)
         verb = "timed out in" if fault.get("state") == "timed_out" else "failed in"
         reason = (
             f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']} and aborted group {st.name!r} "

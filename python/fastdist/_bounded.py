@@ -39,8 +39,25 @@ EXIT_DRAIN_SECONDS = 15.0
 @atexit.register
 def _drain() -> None:
     end = time.monotonic() + EXIT_DRAIN_SECONDS
-    while _blocked > 0 and time.monotonic() < end:
+    while (_blocked > 0 or _in_calls > 0) and time.monotonic() < end:
         time.sleep(0.01)
+
+
+_in_calls = 0  # store work queued or running on fastdist's closer thread (nobody waits on it)
+
+
+def call_queued() -> None:
+    """Store work was handed to a thread of fastdist's that nobody waits on (the closer): the
+    exit waits for it (until call_done) as for a helper given up on."""
+    global _in_calls
+    with _blocked_lock:
+        _in_calls += 1
+
+
+def call_done() -> None:
+    global _in_calls
+    with _blocked_lock:
+        _in_calls -= 1
 
 
 def stuck() -> bool:

@@ -9,6 +9,7 @@ that of every enclosing scope.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import datetime
 import math
@@ -55,8 +56,22 @@ def engine() -> _core.Engine:
         with _engine_lock:
             if _engine is None:
                 _engine = _core.default_engine()
+                atexit.register(_flush_at_exit)
             eng = _engine
     return eng
+
+
+# At exit: an action that runs while the interpreter finalizes is killed inside C++ when it needs
+# the GIL, and the process aborts ("terminate called without an active exception"). Actions due
+# by then (a recovery agreement's closer whose deadline came with the exit, say) run first,
+# bounded; the store work they hand to fastdist's closer thread is then waited for by the exit
+# drain (fastdist._bounded).
+EXIT_FLUSH_SECONDS = 2.0
+
+
+def _flush_at_exit() -> None:
+    if _engine is not None:
+        _engine.flush(EXIT_FLUSH_SECONDS)
 
 
 # ---------------------------------------------------------------------------------------------
