@@ -14,20 +14,25 @@ waits, without polling, until every rank has posted or the window has passed:
 - a rank that posted nothing within the window did not answer (stopped, dead, or holding the
   GIL in a long C call) and never arrived.
 
-Store work is O(1) per rank: a compare-and-set, an append to one key, an add, a blocking wait on
-one key and one read; the ring goes down a binary tree of the group's ranks (two store
-operations per rank). Every rank reads the same records, so every rank that times out gets the
-same report: no circular blame. The window is min(1 s, 10% of the timeout) plus 5 ms per level of
-the ring tree, and ends early once every rank of the group has posted.
+Store work is O(1) per rank, and so are the bytes each rank reads: a compare-and-set, an
+append to one key, an add, a blocking wait on one key and one read of a small summary; the ring
+goes down a binary tree of the group's ranks (two store operations per rank). One rank closes the
+board (the one whose post completes it, or whose window ends first) and it alone reads every
+record: it writes the summary (ranks as ranges, each distinct stack once) that every other rank
+waits on, so every rank that times out gets the same report: no circular blame. The window is
+min(1 s, 10% of the timeout) plus 5 ms per level of the ring tree, and ends early once every rank
+of the group has posted.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -132,8 +137,9 @@ def waits(st: GroupState) -> list[list[int]]:
 
 def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bool:
     """Appends this rank's status record to the group's board, once per generation: one append
-    and one add; the rank that completes the count sets the key the reporters wait on. False if
-    this rank had posted already."""
+    and one add. True when this rank's post completed the board (every rank of the group has now
+    posted) and this rank closed it: then it alone reads the board and publishes the summary
+    (:func:`publish`). False otherwise, and when this rank had posted already."""
     with _posted_lock:
         if (st.name, st.generation, st.rank) in _posted:
             return False
@@ -141,9 +147,31 @@ def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bo
     store = st.store if store is None else store
     prefix = _prefix(st)
     store.append(f"{prefix}/status", json.dumps(record) + "\n")
-    if store.add(f"{prefix}/count", 1) >= st.size:
-        store.set(f"{prefix}/complete", "all")
-    return True
+    if store.add(f"{prefix}/count", 1) < st.size:
+        return False
+    return _close(store, st, "all")
+
+
+def _close(store: Any, st: GroupState, why: str) -> bool:
+    """Closes the group's board: True for the one rank whose close won (its token is its own, so
+    that a close that lost never reads as won)."""
+    token = f"{why}:{st.rank}"
+    return bytes(store.compare_set(f"{_prefix(st)}/complete", "", token)) == token.encode()
+
+
+def publish(st: GroupState, store: Any) -> dict[str, Any]:
+    """Reads the closed board (the one read of every record, by the one rank that closed it),
+    writes its summary to the key every other reporter waits on, and returns it."""
+    prefix = _prefix(st)
+    summary = summarize(st, bytes(store.get(f"{prefix}/status")))
+    store.set(f"{prefix}/summary", json.dumps(summary, separators=(",", ":")))
+    return summary
+
+
+# How long a reporter waits for the summary past its own window: the closer reads every record
+# once, summarizes and writes (about 10 ms at 1,024 ranks); past this the writer is taken to be
+# gone and the reporter reads the board itself.
+SUMMARY_SECONDS = 1.0
 
 
 def report(
@@ -159,7 +187,7 @@ def report(
     group's other ranks if no one has yet, and collects everyone's status for the window after
     now, or after ``until`` (a ``time.monotonic()`` value) when given. ``None`` when the group has
     no store or the store cannot be reached. ``rung``: this rank learnt of the fault from a peer
-    (fastdist._bell) and has posted already; it only collects (the ringer closes the window)."""
+    (fastdist._bell) and has posted already; it only collects."""
     from . import _bell
 
     store = st.store
@@ -170,19 +198,42 @@ def report(
     later = max(0.0, (until or 0.0) - time.monotonic())
     span = later + window(budget, st.size)
 
-    def work(_abandoned: threading.Event) -> bytes:  # (late posts to a closed board are harmless)
+    def work(_abandoned: threading.Event) -> dict[str, Any]:  # (late posts to a closed board are harmless)
         mine = json.dumps(me)
         if not rung and store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
             _bell.ring(st, me)  # the first to report: every other live rank learns it now
-        post_status(st, me)  # (a no-op when this rank was rung first and has posted already)
+        if post_status(st, me):  # this rank's post completed the board: it summarizes
+            return publish(st, store)
         # Until everyone posted or the window closes: whichever reporter's window ends first
-        # closes it for all (a rung rank only collects: its ringer closes it).
-        _bell.wait_key(store, f"{prefix}/complete", current_time() + span, close=not rung)
-        return bytes(store.get(f"{prefix}/status"))
+        # closes the board for all and publishes the summary that the others wait on. A rung
+        # rank closes only later (its ringer, whose window ended first, is closing it), in case
+        # the ringer died.
+        end = current_time() + span
+
+        published: list[dict[str, Any]] = []  # by this rank's closer, if it closed the board
+
+        def close() -> None:
+            if _close(store, st, "deadline"):
+                published.append(publish(st, store))
+
+        close_at = end + (SUMMARY_SECONDS / 2 if rung else 0.0)
+        if _bell.wait_key(store, f"{prefix}/summary", end + SUMMARY_SECONDS, close, close_at):
+            if published:  # (else read it: the closer may not have appended it yet)
+                return published[0]
+            summary = parse_summary(bytes(store.get(f"{prefix}/summary")), st.size)
+            if summary is not None:
+                return summary
+            logger.warning(
+                "rank %d: the report's summary in the store is not fastdist's (is something else "
+                "using it?): reading the records themselves",
+                st.my_global_rank,
+            )
+        # No summary: its writer died after closing the board. Read the records themselves.
+        return summarize(st, bytes(store.get(f"{prefix}/status")))
 
     try:
         # A store cut off by the network would hold this rank here for minutes: bounded.
-        raw = bounded(work, span + GRACE_SECONDS, "the report's store work")
+        summary = bounded(work, span + SUMMARY_SECONDS + GRACE_SECONDS, "the report's store work")
     except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
         global store_failure
         store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -190,44 +241,166 @@ def report(
             "rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, store_failure
         )
         return None
-    records: dict[int, dict[str, Any]] = {st.rank: me}
-    invalid = 0
-    for line in raw.decode(errors="replace").splitlines():
-        rec = _keys.parse_record(line, _STATUS_FIELDS)
-        if rec is None or rec["state"] not in _STATES or not 0 <= rec["rank"] < st.size:  # type: ignore[operator]
-            invalid += 1  # not fastdist's: see the README's Security section
-            continue
-        records.setdefault(rec["rank"], rec)  # type: ignore[arg-type]
-    if invalid:
+    if summary["invalid"]:
         logger.warning(
             "rank %d: ignored %d invalid status record(s) in the store (is something else using it?)",
             st.my_global_rank,
-            invalid,
+            summary["invalid"],
         )
-    return _judge(st, op, seq, records)
+    return _judge(st, op, seq, summary)
 
 
-def _judge(st: GroupState, op: str, seq: int, records: dict[int, dict[str, Any]]) -> Report:
-    out = Report()
-    for r in range(st.size):
-        rec = records.get(r)
-        g = st.global_rank(r)
-        if rec is None:
-            out.missing.append(g)  # did not answer
+# A frame is "file:line in function"; a stranger's record could make one of any length.
+_MAX_FRAME_CHARS = 200
+
+
+def summarize(st: GroupState, raw: bytes) -> dict[str, Any]:
+    """The board's records (``raw``: one JSON status per line), summarized so that its size
+    depends on how many kinds of answer there were, not on how many ranks gave them: the ranks
+    of each ``(op, seq, state)`` as ranges, each distinct stack once with its ranks, the two
+    earliest timeouts, the straggler hint, and how many records were not fastdist's."""
+    records: dict[int, dict[str, Any]] = {}
+    invalid = 0
+    for line in raw.decode(errors="replace").splitlines():
+        rec: dict[str, Any] | None = _keys.parse_record(line, _STATUS_FIELDS)
+        if rec is None or rec["state"] not in _STATES or not 0 <= rec["rank"] < st.size:
+            invalid += 1  # not fastdist's: see the README's Security section
             continue
+        records.setdefault(rec["rank"], rec)
+    classes: dict[tuple[str, int, str], list[int]] = {}
+    stacks: dict[tuple[str, ...], list[int]] = {}
+    timeouts: list[tuple[float, int]] = []
+    for r in sorted(records):
+        rec = records[r]
+        classes.setdefault((rec["op"], rec["seq"], rec["state"]), []).append(r)
         stack = rec.get("stack")
         if isinstance(stack, list) and stack:
-            out.stacks[g] = [str(f) for f in stack[:_MAX_FRAMES]]
-        if rec["op"] == "" and rec["state"] == "elsewhere":
-            out.missing.append(g)  # alive, but not in any op on the group
-            continue
-        if (rec["op"], rec["seq"]) != (op, seq):
-            out.desynced[g] = f"{rec['op']} #{rec['seq']}"
-        if rec["state"] == "timed_out" and r != st.rank:
-            out.timed_out.append(g)
-            t = float(rec["t"])
-            out.first_timeout_wall = t if out.first_timeout_wall is None else min(out.first_timeout_wall, t)
-    out.straggler = straggler({st.global_rank(r): rec.get("waits") for r, rec in records.items()})
+            frames = tuple(str(f)[:_MAX_FRAME_CHARS] for f in stack[:_MAX_FRAMES])
+            stacks.setdefault(frames, []).append(r)
+        if rec["state"] == "timed_out":
+            timeouts.append((float(rec["t"]), r))
+    return {
+        "classes": [[o, s, state, _ranges(rs)] for (o, s, state), rs in classes.items()],
+        "stacks": [[list(frames), _ranges(rs)] for frames, rs in stacks.items()],
+        "first_timeouts": [[t, r] for t, r in sorted(timeouts)[:2]],
+        "straggler": straggler({st.global_rank(r): rec.get("waits") for r, rec in records.items()}),
+        "invalid": invalid,
+    }
+
+
+def _ranges(ranks: list[int]) -> list[list[int]]:
+    """Sorted ranks as ``[first, last]`` runs: [0, 1, 2, 5] -> [[0, 2], [5, 5]]."""
+    out: list[list[int]] = []
+    for r in ranks:
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _valid_ranges(v: Any, size: int) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_int(p[1]) and 0 <= p[0] <= p[1] < size
+        for p in v
+    )
+
+
+def parse_summary(raw: bytes, size: int) -> dict[str, Any] | None:
+    """A summary read from the store, or None when it is not one fastdist wrote for a group of
+    ``size`` ranks (the store has no authentication: see the README's Security section)."""
+    try:
+        s = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(s, dict):
+        return None
+    classes, stacks, first = s.get("classes"), s.get("stacks"), s.get("first_timeouts")
+    ok = (
+        isinstance(classes, list)
+        and all(
+            isinstance(c, list)
+            and len(c) == 4
+            and isinstance(c[0], str)
+            and _is_int(c[1])
+            and c[2] in _STATES
+            and _valid_ranges(c[3], size)
+            for c in classes
+        )
+        and isinstance(stacks, list)
+        and all(
+            isinstance(e, list)
+            and len(e) == 2
+            and isinstance(e[0], list)
+            and all(isinstance(f, str) for f in e[0])
+            and _valid_ranges(e[1], size)
+            for e in stacks
+        )
+        and isinstance(first, list)
+        and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], (int, float)) and _is_int(p[1])
+            for p in first
+        )
+        and (s.get("straggler") is None or isinstance(s.get("straggler"), str))
+        and _is_int(s.get("invalid"))
+    )
+    return s if ok else None
+
+
+def _globals(st: GroupState, ranks: Sequence[int]) -> list[int]:
+    """Group ranks as global ranks (a C-speed copy for the default group)."""
+    table = getattr(st, "global_ranks", None)
+    return list(ranks) if table is None else [table[r] for r in ranks]
+
+
+def _judge(st: GroupState, op: str, seq: int, summary: dict[str, Any]) -> Report:
+    """This rank's report from the group's summary: the same for every rank in the same op.
+    Built from ranges (no per-rank work in Python beyond the lists the report holds)."""
+    out = Report()
+    me = st.my_global_rank
+    posted: list[list[int]] = []
+    absent: list[range] = []  # alive but in no op on the group: never arrived
+    timed_out: list[int] = []
+    for rop, rseq, state, ranges in summary["classes"]:
+        for a, b in ranges:
+            posted.append([a, b])
+            ranks = range(a, b + 1)
+            if rop == "" and state == "elsewhere":
+                absent.append(ranks)
+                continue
+            if (rop, rseq) != (op, seq):
+                out.desynced.update(dict.fromkeys(_globals(st, ranks), f"{rop} #{rseq}"))
+            if state == "timed_out":
+                timed_out += _globals(st, ranks)
+    absent += _gaps(posted, st.size)  # posted nothing in the window: did not answer
+    missing = sorted(r for ranks in absent for r in ranks)
+    out.missing = [g for g in _globals(st, missing) if g != me]
+    out.desynced.pop(me, None)
+    out.timed_out = sorted(g for g in timed_out if g != me)
+    for frames, ranges in summary["stacks"]:
+        for a, b in ranges:
+            out.stacks.update(dict.fromkeys(_globals(st, range(a, b + 1)), frames))
+    out.stacks.pop(me, None)
+    firsts = [float(t) for t, r in summary["first_timeouts"] if st.global_rank(r) != me]
+    out.first_timeout_wall = firsts[0] if firsts else None
+    out.straggler = summary["straggler"]
+    return out
+
+
+def _gaps(posted: list[list[int]], size: int) -> list[range]:
+    """The group ranks in no ``[first, last]`` run of ``posted``."""
+    out: list[range] = []
+    nxt = 0
+    for a, b in sorted(posted):
+        if a > nxt:
+            out.append(range(nxt, a))
+        nxt = max(nxt, b + 1)
+    if nxt < size:
+        out.append(range(nxt, size))
     return out
 
 
@@ -249,12 +422,11 @@ def straggler(posted: dict[int, Any]) -> str | None:
     for rank, pairs in posted.items():
         if not isinstance(pairs, list):
             continue
+        # (type() is int: a bool is not a sequence number; this runs over every rank's pairs)
         got = {
             p[0]: p[1]
             for p in pairs
-            if isinstance(p, list)
-            and len(p) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
+            if type(p) is list and len(p) == 2 and type(p[0]) is int and type(p[1]) is int
         }
         if got:
             per_rank[rank] = got
@@ -265,9 +437,10 @@ def straggler(posted: dict[int, Any]) -> str | None:
         return None
     last: dict[int, int] = {}
     for seq in common:
-        order = sorted(per_rank, key=lambda r: per_rank[r][seq])
-        if per_rank[order[1]][seq] - per_rank[order[0]][seq] >= STRAGGLER_MARGIN_US:
-            last[order[0]] = last.get(order[0], 0) + 1
+        # The two shortest waits (a full sort per op costs too much at thousands of ranks).
+        (w0, first), (w1, _) = heapq.nsmallest(2, [(w[seq], r) for r, w in per_rank.items()])
+        if w1 - w0 >= STRAGGLER_MARGIN_US:
+            last[first] = last.get(first, 0) + 1
     if not last:
         return None
     rank, count = max(last.items(), key=lambda kv: (kv[1], -kv[0]))
