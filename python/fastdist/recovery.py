@@ -19,7 +19,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -384,29 +386,42 @@ def _agree(
     agreement late, as a member nobody will see."""
     key = _keys.key("recover", st.name)
     me = st.my_global_rank
-    if store.check([f"{key}/latest"]):
-        latest = int(store.get(f"{key}/latest"))
-        if latest >= gen:
-            raise RecoveryError(
-                group=st.name,
-                rank=me,
-                generation=gen,
-                missing_ranks=None,
-                reason=f"the other ranks already rebuilt the group as generation {latest} without this rank",
-            )
-    # O(1) store operations per rank: an add (arrival order), an append to one member list, a
-    # blocking wait on one key (set by the last to arrive, or by the first deadline), then one
-    # compare-and-set that fixes how many arrivals are in, and one read of the list.
+    # The last generation agreed (set by one member of it), read as a counter: one operation,
+    # 0 before the first recovery.
+    latest = store.add(f"{key}/latest", 0)
+    if latest >= gen:
+        raise RecoveryError(
+            group=st.name,
+            rank=me,
+            generation=gen,
+            missing_ranks=None,
+            reason=f"the other ranks already rebuilt the group as generation {latest} without this rank",
+        )
+    # O(1) store operations per rank: an add (arrival order), an append to one member list, and
+    # a blocking wait on one key that holds the decision, read once: "all" (set by the last to
+    # arrive) or "deadline:COUNT" (set at the first deadline by that rank's closer, with how many
+    # had arrived). The member list is read only when the group shrinks: with everyone in, the
+    # members are the old ranks.
     base = f"{key}/{gen}"
     if abandoned is not None and abandoned.is_set():
         raise StoreUnanswered("the caller gave up on the store before this rank joined the agreement")
     n = store.add(f"{base}/count", 1)
     store.append(f"{base}/members", f"{n}:{me}\n")
     if n >= st.size:
-        store.set(f"{base}/closed", "all")
+        decision = bytes(store.compare_set(f"{base}/closed", "", "all"))
     else:
-        _bell.wait_key(store, f"{base}/closed", deadline)
-    count = store.add(f"{base}/count", 0)
+        seen: list[bytes] = []  # the decision, as this rank's closer found it (set or read)
+
+        def close() -> None:
+            count = store.add(f"{base}/count", 0)
+            seen.append(bytes(store.compare_set(f"{base}/closed", "", f"deadline:{count}")))
+
+        if not _bell.wait_key(store, f"{base}/closed", deadline, close):
+            raise StoreUnanswered("nobody could close the recovery agreement: the store is failing")
+        decision = seen[0] if seen else bytes(store.get(f"{base}/closed"))
+    # Whoever closed it first decided for everyone: the last arrival (then no one can have fixed
+    # fewer), or a deadline (then the arrivals it counted; a later one is left out).
+    count = st.size if decision == b"all" else _counted(decision)
     if count < st.size and not allow_shrink:
         arrived = _arrivals(store.get(f"{base}/members"), count)
         missing = [st.global_rank(r) for r in range(st.size) if st.global_rank(r) not in arrived]
@@ -417,7 +432,7 @@ def _agree(
             reason="not every rank turned up before the deadline",
             missing_ranks=missing,
         )
-    final = int(store.compare_set(f"{base}/final", "", str(min(count, st.size))))
+    final = min(count, st.size)
     if n > final:
         raise RecoveryError(
             group=st.name,
@@ -426,39 +441,68 @@ def _agree(
             missing_ranks=None,
             reason="this rank turned up after the others had closed the new generation without it",
         )
-    members = sorted(_arrivals(store.get(f"{base}/members"), final))
-    store.set(f"{key}/latest", str(gen))
-    # Generation gen - 1's reports stay: a straggler of it, left out, reads them to learn that the
-    # others timed out (rather than blame them as dead). The one before goes.
-    _forget_generation(store, st, gen - 2)
+    if final >= st.size:
+        members = [st.global_rank(r) for r in range(st.size)]
+    else:
+        members = _members(store, base, final)
+    # The generation's housekeeping, shared out by arrival order (at most one operation each
+    # from 10 members up): record it as the latest, and delete generation gen - 2's keys (gen - 1's
+    # reports stay: a straggler of it, left out, reads them to learn that the others timed out
+    # rather than blame them as dead).
+    chores = [f"{key}/latest", *_keys_of_generation(st, gen - 2)]
+    try:
+        for i in range(n - 1, len(chores), final):
+            if i == 0:
+                store.set(chores[0], str(gen))
+            else:
+                store.delete_key(chores[i])
+    except RuntimeError:  # a store without delete (FileStore): the keys stay
+        pass
     return members
 
 
+# How long the members wait for an arrival counted but not yet in the member list (it added
+# itself, then appends: microseconds apart unless it died in between).
+APPEND_SECONDS = 0.5
+
+
+def _members(store: Any, base: str, final: int) -> list[int]:
+    """The sorted global ranks of the first ``final`` arrivals of a shrunk generation."""
+    end = current_time() + APPEND_SECONDS
+    while True:
+        arrived = _arrivals(store.get(f"{base}/members"), final)
+        if len(arrived) >= final or current_time() >= end:
+            return sorted(arrived)
+        time.sleep(0.005)
+
+
+def _counted(decision: bytes) -> int:
+    """The count a deadline's closer fixed ("deadline:COUNT"); 0 for anything else (a value not
+    fastdist's: nobody is counted in, and recovery says so)."""
+    what, _, count = decision.partition(b":")
+    return int(count) if what == b"deadline" and count.isdigit() else 0
+
+
+_ARRIVAL = re.compile(rb"^(\d+):(\d+)$", re.MULTILINE)
+
+
 def _arrivals(raw: bytes, upto: int) -> set[int]:
-    """The global ranks among the first ``upto`` arrivals in a member list ("ORDER:RANK" lines)."""
-    out = set()
-    for line in raw.decode(errors="replace").splitlines():
-        order, _, rank = line.partition(":")
-        if order.isdigit() and rank.isdigit() and int(order) <= upto:
-            out.add(int(rank))
-    return out
+    """The global ranks among the first ``upto`` arrivals in a member list ("ORDER:RANK" lines).
+    (Parsed by one regular expression: every member reads the whole list when a group shrinks.)"""
+    return {int(rank) for order, rank in _ARRIVAL.findall(raw) if int(order) <= upto}
 
 
-def _forget_generation(store: Any, st: _groups.GroupState, gen: int) -> None:
-    """Deletes fastdist's keys of generation ``gen`` of the group: every member is two generations
-    past it, so nothing reads them any more; without this the store would gain a dozen keys per
+def _keys_of_generation(st: _groups.GroupState, gen: int) -> list[str]:
+    """fastdist's keys of generation ``gen`` of the group: once every member is two generations
+    past it nothing reads them, and without deleting them the store would gain a dozen keys per
     timeout and recovery (gloo's own keys go in _forget_connections)."""
     if gen < 0:
-        return
+        return []
     rec = _keys.key("recover", st.name, gen)
     diag = _keys.key("diag", st.name, gen)
-    doomed = [f"{rec}/{k}" for k in ("count", "members", "closed", "final")]
-    doomed += [f"{diag}/{k}" for k in ("fault", "status", "count", "complete")]
-    for k in doomed:
-        try:
-            store.delete_key(k)
-        except RuntimeError:  # a store without delete (HashStore has it; FileStore too)
-            return
+    return [f"{rec}/{k}" for k in ("count", "members", "closed")] + [
+        f"{diag}/{k}" for k in ("fault", "status", "count", "complete", "summary")
+    ]
 
 
 def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> list[Any]:
@@ -494,15 +538,15 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
 
 
 def _forget_connections(root: Any, st: _groups.GroupState, backend: Any, gen: int) -> None:
-    """Deletes the addresses gloo published for generation ``gen`` of a rebuilt backend (its
-    first device's, ``DEVICE/RANK`` under the generation's prefix): every member agreed a later
-    generation, so nobody connects through them any more. (NCCL's keys are its own; they stay.)"""
+    """Deletes the address this rank's gloo published for generation ``gen`` of a rebuilt backend
+    (its first device's, ``DEVICE/RANK`` under the generation's prefix): every member agreed a
+    later generation, so nobody connects through it any more. Each member deletes its own: one
+    operation per rank, not one per rank pair. (NCCL's keys are its own; they stay.)"""
     if gen < 1 or backend.inner.name() != "gloo":
         return
     old = dist.PrefixStore(_keys.key(f"gen{gen}", st.name, backend.name()) + "/", root)
     try:
-        for r in range(backend.size()):
-            old.delete_key(f"0/{r}")
+        old.delete_key(f"0/{backend.rank()}")
     except RuntimeError:  # a store without delete
         pass
 
