@@ -39,4 +39,6 @@ def test_demo_names_the_stalled_rank_and_everyone_trains_on() -> None:
         assert recovered == "yes", out
         if rank != "2":
             assert err == "CollectiveTimeoutError" and named == "2", out
-            assert 2.0 <= float(after.split()[0]) < 3.5, out
+            # From the rank's own step start: a rank that began its step a few ms after the first
+            # to time out is rung by it, and raises with it, that much before its own 2 s.
+            assert 1.9 <= float(after.split()[0]) < 3.5, out

@@ -1,0 +1,220 @@
+"""The report's summary and the recovery agreement, in one process (issue 14's "the report
+scales"): what one rank writes once must give every rank the report it would have built from
+every record, in a few hundred bytes whatever the group's size; the agreement's one decision key
+must give every member the same members, in a handful of store operations each. Threads stand
+in for ranks, on a HashStore (waits poll it: there is no second connection)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import types
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from fastdist import _keys, diagnostics, recovery
+from fastdist._timeouts import current_time
+from fastdist.errors import RecoveryError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _rank(store: Any, rank: int, size: int, name: str = "g") -> Any:
+    """A stand-in for fastdist's GroupState: what the protocols read of it."""
+    return types.SimpleNamespace(
+        ref=lambda: None,
+        store=store,
+        size=size,
+        rank=rank,
+        name=name,
+        generation=0,
+        my_global_rank=rank,
+        global_ranks=None,
+        global_rank=lambda r: r,
+    )
+
+
+class Counting:
+    """A store proxy counting the operations made through it. A wait here polls ``check`` (a
+    HashStore has no second connection); in a job it is one blocking wait: counted as one."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.names: list[str] = []
+
+    @property
+    def ops(self) -> int:
+        polls = self.names.count("check")
+        return len(self.names) - polls + (1 if polls else 0)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.inner, name)
+
+        def counted(*args: Any) -> Any:
+            self.names.append(name)
+            return fn(*args)
+
+        return counted
+
+
+def _board(size: int) -> bytes:
+    """The records of a 1,024-rank fault: rank 0 timed out first, ranks 1-9 timed out too, the
+    rest were rung in the same op with one stack, except rank 5 (in another op), rank 7 (in no op,
+    loading data), and ranks 1000-1023 (did not answer)."""
+    lines = []
+    for r in range(1000):
+        rec: dict[str, Any] = {"rank": r, "op": "all_reduce", "seq": 57, "state": "in_op", "t": 100.0 + r}
+        rec["stack"] = ["train.py:88 in main", "train.py:61 in step"]
+        if r < 10:
+            rec["state"] = "timed_out"
+        if r == 5:
+            rec.update(op="barrier", seq=3, stack=["eval.py:12 in evaluate"])
+        if r == 7:
+            rec.update(op="", seq=0, state="elsewhere", stack=["data.py:40 in load_batch"])
+        rec["waits"] = [[s, 5_000 if r != 9 else 30] for s in range(41, 57)]  # rank 9 is always last
+        lines.append(json.dumps(rec))
+    lines.append("{garbage")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_the_summary_gives_every_rank_the_full_report_in_a_few_hundred_bytes() -> None:
+    size = 1024
+    summary = diagnostics.summarize(_rank(None, 0, size), _board(size))
+    text = json.dumps(summary, separators=(",", ":"))
+    assert len(text) < 1024, (len(text), text)  # from 1,000 records of about 400 bytes each
+    parsed = diagnostics.parse_summary(text.encode(), size)
+    assert parsed == summary and parsed["invalid"] == 1
+
+    rep = diagnostics._judge(_rank(None, 3, size), "all_reduce", 57, parsed)
+    assert rep.missing == [7, *range(1000, 1024)]  # in no op, and did not answer
+    assert rep.desynced == {5: "barrier #3"}
+    assert rep.timed_out == [0, 1, 2, 4, 5, 6, 8, 9]  # every other rank whose deadline passed
+    assert rep.first_timeout_wall == 100.0
+    assert rep.stacks[7] == ["data.py:40 in load_batch"] and rep.stacks[5] == ["eval.py:12 in evaluate"]
+    assert rep.stacks[500] == ["train.py:88 in main", "train.py:61 in step"] and 1000 not in rep.stacks
+    assert 3 not in rep.stacks and 3 not in rep.missing  # never itself
+    assert rep.straggler is not None and rep.straggler.startswith("rank 9 arrived last in 16 of the last 16")
+    # Rank 0 is the earliest timeout: its own report takes the next one.
+    assert diagnostics._judge(_rank(None, 0, size), "all_reduce", 57, parsed).first_timeout_wall == 101.0
+    # The same summary, judged by the rank in the other op: everyone in all_reduce #57 is desynced.
+    other = diagnostics._judge(_rank(None, 5, size), "barrier", 3, parsed)
+    assert len(other.desynced) == 998 and other.desynced[0] == "all_reduce #57" and 5 not in other.desynced
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"{not json",
+        b"[1, 2]",
+        json.dumps({"classes": [["barrier", 1, "in_op", [[0, 4]]]]}).encode(),  # fields missing
+        json.dumps(  # a rank outside the group
+            {"classes": [["barrier", 1, "in_op", [[0, 4]]]], "stacks": [], "first_timeouts": [], "invalid": 0}
+        ).encode(),
+        json.dumps(  # a state that is not fastdist's
+            {
+                "classes": [["barrier", 1, "napping", [[0, 1]]]],
+                "stacks": [],
+                "first_timeouts": [],
+                "invalid": 0,
+            }
+        ).encode(),
+    ],
+)
+def test_a_summary_that_is_not_fastdists_is_refused(bad: bytes) -> None:
+    assert diagnostics.parse_summary(bad, 4) is None
+
+
+def test_a_rank_reads_the_records_itself_when_the_summary_is_not_fastdists() -> None:
+    store = dist.HashStore()
+    prefix = _keys.key("diag", "g", 0)
+    for r in (1, 2):
+        rec = {"rank": r, "op": "barrier", "seq": 4, "state": "in_op", "t": 1.0, "stack": [f"x.py:{r} in f"]}
+        store.append(f"{prefix}/status", json.dumps(rec) + "\n")
+    store.add(f"{prefix}/count", 2)
+    store.set(f"{prefix}/summary", "garbage")  # a stranger's, or a corrupt value
+    # Rank 0 of 4 posts (3 of 4: the board stays open), finds the summary invalid, and builds the
+    # report from the records: rank 3 did not answer.
+    rep = diagnostics.report(_rank(store, 0, 4), "barrier", 4, "timed_out", 1.0)
+    assert rep is not None and rep.missing == [3] and rep.stacks == {1: ["x.py:1 in f"], 2: ["x.py:2 in f"]}
+
+
+def test_the_rank_that_completes_the_board_publishes_the_summary_once() -> None:
+    store = dist.HashStore()
+    ranks = [_rank(store, r, 3, name="h") for r in range(3)]
+    rec = {"op": "barrier", "seq": 1, "state": "in_op", "t": 1.0}
+    assert not diagnostics.post_status(ranks[1], dict(rec, rank=1))
+    assert not diagnostics.post_status(ranks[1], dict(rec, rank=1))  # once per generation
+    assert not diagnostics.post_status(ranks[2], dict(rec, rank=2))
+    counting = Counting(store)
+    rep = diagnostics.report(_rank(counting, 0, 3, name="h"), "barrier", 1, "timed_out", 1.0)
+    assert rep is not None and rep.missing == [] and not rep.desynced
+    # A compare-and-set (the fault), the ring's two pushes, the post (an append and an add),
+    # closing the board, one read of every record and the summary's write: no wait.
+    assert counting.ops == 8, counting.ops
+    assert diagnostics.parse_summary(store.get(_keys.key("diag", "h", 0) + "/summary"), 3) is not None
+
+
+def _agree_all(
+    size: int, gen: int, present: list[int], seconds: float, shrink: bool, name: str
+) -> dict[int, Any]:
+    store = dist.HashStore()
+    out: dict[int, Any] = {}
+
+    def run(r: int) -> None:
+        counting = Counting(store)
+        try:
+            out[r] = (recovery._agree(counting, _rank(store, r, size, name), gen, deadline, shrink), counting)
+        except RecoveryError as exc:
+            out[r] = (exc, counting)
+
+    deadline = current_time() + seconds
+    threads = [threading.Thread(target=run, args=(r,)) for r in present]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_the_agreement_gives_every_member_the_same_members_in_a_handful_of_operations() -> None:
+    # Everyone in: the last arrival decides at once, nobody reads the member list.
+    start = time.monotonic()
+    out = _agree_all(12, 1, list(range(12)), 20.0, False, "a")
+    assert time.monotonic() - start < 10  # not the deadline
+    assert all(members == list(range(12)) for members, _ in out.values()), out
+    ops = sorted(c.ops for _, c in out.values())
+    assert ops[-1] <= 6, ops  # latest, add, append, wait, the decision, one chore at most
+
+    # Rank 4 gone, allow_shrink: the first deadline decides, and every member sees the same 11.
+    out = _agree_all(12, 3, [r for r in range(12) if r != 4], 1.0, True, "b")
+    expected = [r for r in range(12) if r != 4]
+    assert all(members == expected for members, _ in out.values()), out
+    assert max(c.ops for _, c in out.values()) <= 9
+
+    # Without allow_shrink: every member is told who did not turn up.
+    out = _agree_all(4, 1, [0, 1, 2], 1.0, False, "c")
+    for err, _ in out.values():
+        assert isinstance(err, RecoveryError) and err.missing_ranks == [3], err
+
+
+def test_a_rank_arriving_after_the_deadline_decided_is_left_out() -> None:
+    store = dist.HashStore()
+    out: dict[int, Any] = {}
+
+    def run(r: int, seconds: float) -> None:
+        try:
+            out[r] = recovery._agree(store, _rank(store, r, 3, "late"), 1, current_time() + seconds, True)
+        except RecoveryError as exc:
+            out[r] = exc
+
+    early = [threading.Thread(target=run, args=(r, 0.5)) for r in (0, 1)]
+    for t in early:
+        t.start()
+    for t in early:
+        t.join(30)
+    assert out[0] == out[1] == [0, 1]
+    run(2, 5.0)  # after the others fixed the generation without it
+    assert isinstance(out[2], RecoveryError) and "already rebuilt" in str(out[2]), out[2]
