@@ -112,15 +112,24 @@ def build(data: dict) -> tuple[str, dict]:
     if scale:
         lines += [
             "",
-            "### The fault report at scale: simulated ranks (4 processes), one TCPStore, 1 s timeout",
+            "### The report and the recovery agreement at scale: simulated ranks (4 processes), one TCPStore",
             "",
-            "| ranks | store ops per rank (median, max) | posted in the window | last rank has the report |",
-            "|---|---|---|---|",
+            (
+                "| ranks | report: ops per rank (median, max) | posted in the window | ring reached all | "
+                "first / last rank has the report | agreement, all in: ops; last rank done after the last "
+                "arrival | agreement, one gone: ops; last done after the deadline |"
+            ),
+            "|---|---|---|---|---|---|---|",
         ]
         for x in scale:
             lines.append(
-                f"| {x['ranks']} | {x['ops_per_rank_median']:.0f}, {x['ops_per_rank_max']} | "
-                f"{x['answered_in_window']} of {x['ranks'] - 1} | {x['last_holds_report_ms'] / 1000:.1f} s |"
+                f"| {x['ranks']} | {x['report_ops_per_rank_median']:.0f}, {x['report_ops_per_rank_max']} | "
+                f"{x['answered_in_window']} of {x['ranks'] - 1} ({x['window_ms']:.0f} ms) | "
+                f"{x['ring_reached_all_ms']:.0f} ms | {x['first_holds_report_ms']:.0f} / "
+                f"{x['last_holds_report_ms']:.0f} ms | {x['agree_ops_per_rank_median']:.0f}, "
+                f"{x['agree_ops_per_rank_max']}; {x['agreement_after_last_arrival_ms']:.0f} ms | "
+                f"{x['shrink_ops_per_rank_median']:.0f}, {x['shrink_ops_per_rank_max']}; "
+                f"{x['shrink_after_deadline_ms']:.0f} ms |"
             )
     x = b.get("test_checks_cost", {}).get("extra_info")
     if x:

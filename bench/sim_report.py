@@ -1,11 +1,19 @@
 """One process of bench/test_report_scale.py: ``sim_report.py PORT FIRST COUNT WORLD``.
 
 Simulates ranks FIRST..FIRST+COUNT-1 of a WORLD-rank group as clients of one TCPStore, running
-fastdist's own fault protocol (fastdist.diagnostics.report, fastdist._bell's ring tree) without
-a process or a torch group per rank: rank 0 times out and reports; every other rank but the last
-(dead: it never answers) is rung, forwards the ring to its children, posts its status and
-collects the report, as a rank in the same op does. Prints one JSON line: per simulated rank its
-store operations and when it held the report (time.time())."""
+fastdist's own protocols without a process or a torch group per rank:
+
+1. The fault report (fastdist.diagnostics.report, fastdist._bell's ring tree): rank 0 times out
+   and reports; every other rank but the last (dead: it never answers) is rung, forwards the ring
+   to its children, posts its status and collects the report, as a rank in the same op does.
+2. The recovery agreement (fastdist.recovery._agree) with every rank arriving: generation 1.
+3. The agreement again with the last rank absent and ``allow_shrink=True``: generation 2, closed
+   by the first deadline.
+
+Each simulated rank has two connections of its own, as a rank in a job has (one for short
+operations; one for its blocking waits: the listener's pop, then the report's or agreement's
+wait). Prints one JSON line: per phase and simulated rank its store operations, and when it
+started and finished (time.time())."""
 
 from __future__ import annotations
 
@@ -21,13 +29,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
-from fastdist import _bell, diagnostics
+from fastdist import _bell, diagnostics, recovery
 
-BUDGET = 1.0  # the op's timeout: the report window is 0.1 s
+BUDGET = 1.0  # the op's timeout: the report window is 0.1 s plus 5 ms per level of the ring tree
+SHRINK_AFTER = 1.0  # phase 3: the agreement's deadline, after its start
 
 
 class Counting:
-    """A store proxy that counts the operations made through it (and through its clones)."""
+    """A store proxy that counts the operations made through it."""
 
     def __init__(self, inner: Any, counter: list[int]) -> None:
         self.inner = inner
@@ -54,46 +63,56 @@ def _own_waiter() -> Iterator[Any]:
     yield _local.waiter
 
 
+def _connect(port: int, n: int) -> list[Any]:
+    timeout = datetime.timedelta(seconds=300)
+    # Made in parallel: on some network stacks (gVisor) about one connect in 25 stalls for 5 s.
+    with concurrent.futures.ThreadPoolExecutor(256) as pool:
+        return list(
+            pool.map(lambda _: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout), range(n))
+        )
+
+
 def main() -> None:
     port, first, count, world = (int(x) for x in sys.argv[1:5])
-    timeout = datetime.timedelta(seconds=300)
-    # One connection for the short operations of every simulated rank of this process (they are
-    # serialized by the client, as one rank's threads would be), and one per simulated rank for
-    # its blocking operations: the pop from its inbox, then the wait for the report (a rank's
-    # listener and its report each have their own in a job; here both run in one thread, in turn).
-    shared = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    # Made in parallel: on some network stacks (gVisor here) about one connect in 25 stalls for 5 s.
-    with concurrent.futures.ThreadPoolExecutor(64) as pool:
-        conns = list(
-            pool.map(
-                lambda _: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout), range(count)
-            )
-        )
+    control = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
+    conns = _connect(port, 2 * count)
     ranks = []
-    for r, own in zip(range(first, first + count), conns):
+    for i, r in enumerate(range(first, first + count)):
         counter = [0]
         st = types.SimpleNamespace(
-            store=Counting(shared, counter),
+            store=Counting(conns[2 * i], counter),
             size=world,
             rank=r,
             name="sim",
             generation=0,
             my_global_rank=r,
+            global_ranks=None,
             global_rank=lambda x: x,
-            ref=lambda: None,  # no torch group behind it: no history, no waits posted
+            ref=lambda: None,  # no torch group behind it: no history (the waits are made up below)
         )
-        ranks.append((r, st, counter, own, own))
+        ranks.append((r, st, counter, conns[2 * i + 1]))
     _bell.waiter = _own_waiter  # type: ignore[assignment]
-    # The report's store work runs in the simulated rank's own thread (in a job it runs in a
-    # bounded helper thread: the same store operations, but the per-thread waiters above would
-    # not follow it there).
-    diagnostics.bounded = lambda fn, seconds, what: fn(threading.Event())  # type: ignore[assignment]
-    done: dict[int, float] = {}
+    # The store work runs in the simulated rank's own thread (in a job it runs in a bounded
+    # helper thread: the same store operations, but the per-thread waiters above would not
+    # follow it there).
+    inline = lambda fn, seconds, what: fn(threading.Event())
+    diagnostics.bounded = inline  # type: ignore[assignment]
+    phases: dict[str, dict[str, dict[int, float]]] = {
+        p: {"start": {}, "done": {}, "ops": {}, "rung": {}} for p in ("report", "agree", "shrink")
+    }
 
-    def rung(r: int, st: Any, counter: list[int], listen: Any, wait: Any) -> None:
-        _local.counter, _local.waiter = counter, wait
-        raw = listen.queue_pop(_bell._inbox(r))
+    def timed(phase: str, r: int, counter: list[int], fn: Any) -> Any:
+        before = counter[0]
+        phases[phase]["start"][r] = time.time()
+        out = fn()
+        phases[phase]["done"][r] = time.time()
+        phases[phase]["ops"][r] = counter[0] - before
+        return out
+
+    def rung(r: int, st: Any, counter: list[int], blocking: Any) -> None:
+        raw = blocking.queue_pop(_bell._inbox(r))
         counter[0] += 1  # the listener's pop
+        phases["report"]["rung"][r] = time.time()
         fault = json.loads(raw)
         for child in _bell._children(st, fault["root"]):
             _bell._deliver(st.store, child, raw.decode())
@@ -103,37 +122,50 @@ def main() -> None:
             "seq": 1,
             "state": "in_op",
             "t": time.time(),
-            "stack": ["x.py:1 in f"],
+            "stack": ["train.py:88 in main", "train.py:57 in step"],
+            "waits": [[s, 900 + (r * 7 + s * 13) % 200] for s in range(1, diagnostics.WAITS_KEPT + 1)],
         }
-        diagnostics.post_status(st, status)
+        if diagnostics.post_status(st, status):
+            diagnostics.publish(st, st.store)
         rep = diagnostics.report(st, "barrier", 1, "aborted", BUDGET, rung=True)
-        assert rep is not None, "the report failed"
-        done[r] = time.time()
-
-    threads = []
-    for r, st, counter, listen, wait in ranks:
-        if r in (0, world - 1):
-            continue
-        t = threading.Thread(target=rung, args=(r, st, counter, listen, wait), daemon=True)
-        t.start()
-        threads.append(t)
-    control = shared
-    control.add("ready", 1)
-    started = None
-    answered = None
-    if first == 0:
-        control.wait(["fire"], timeout)
-        _r, st, counter, _listen, wait = ranks[0]
-        _local.counter, _local.waiter = counter, wait
-        started = time.time()
-        rep = diagnostics.report(st, "barrier", 1, "timed_out", BUDGET)
         assert rep is not None and world - 1 in rep.missing, rep
-        done[0] = time.time()
-        answered = world - len(rep.missing)  # the dead rank never answers
+
+    def run_rank(r: int, st: Any, counter: list[int], blocking: Any) -> None:
+        _local.counter, _local.waiter = counter, blocking
+        # Control waits go on the rank's blocking connection (uncounted): a wait holds its client,
+        # and the control connection is shared by every simulated rank of this process.
+        if r == 0:
+            blocking.wait(["fire"])
+            rep = timed(
+                "report", r, counter, lambda: diagnostics.report(st, "barrier", 1, "timed_out", BUDGET)
+            )
+            assert rep is not None and world - 1 in rep.missing, rep
+            answered[0] = world - len(rep.missing)  # the dead rank never answers
+        elif r != world - 1:
+            timed("report", r, counter, lambda: rung(r, st, counter, blocking))
+        control.add("reported", 1)
+        blocking.wait(["agree"])
+        deadline = recovery.current_time() + 60
+        members = timed("agree", r, counter, lambda: recovery._agree(st.store, st, 1, deadline, False))
+        assert members == list(range(world)), members[:8]
+        control.add("agreed", 1)
+        if r == world - 1:
+            return  # absent from generation 2
+        blocking.wait(["shrink"])
+        deadline = float(control.get("shrink_deadline"))
+        deadline = recovery.current_time() + (deadline - time.time())
+        members = timed("shrink", r, counter, lambda: recovery._agree(st.store, st, 2, deadline, True))
+        assert members == list(range(world - 1)), members[:8]
+
+    answered = [None]
+    threads = [threading.Thread(target=run_rank, args=rank, daemon=True) for rank in ranks]
     for t in threads:
-        t.join(120)
-    ops = {r: counter[0] for r, _st, counter, _l, _w in ranks if r != world - 1}
-    print(json.dumps({"started": started, "done": done, "ops": ops, "answered": answered}))
+        t.start()
+    control.add("ready", 1)
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a simulated rank did not finish"
+    print(json.dumps(dict(phases, answered=answered[0])))
 
 
 if __name__ == "__main__":
