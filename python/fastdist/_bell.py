@@ -174,11 +174,17 @@ def _run_closers(todo: queue.SimpleQueue[_Closing]) -> None:
         job = todo.get()
         try:
             if not job.cancelled:
-                job.work()
+                # Bounded: a store call stuck on a partition must not hold every later closing
+                # of the process (a recovery on a new connection, say) behind it.
+                _bounded.bounded(_ignoring_abandon(job.work), _bounded.GRACE_SECONDS, job.what)
         except Exception as exc:  # noqa: BLE001 - the waiters' own bounded waits end anyway
             logger.debug("fastdist: %s failed: %r", job.what, exc)
         finally:
             _bounded.call_done()
+
+
+def _ignoring_abandon(work: Callable[[], object]) -> Callable[[threading.Event], object]:
+    return lambda _abandoned: work()
 
 
 # How long past the deadline a waiter whose closer runs at the deadline waits for the key: the
