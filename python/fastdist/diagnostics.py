@@ -149,20 +149,21 @@ def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bo
     store.append(f"{prefix}/status", json.dumps(record) + "\n")
     if store.add(f"{prefix}/count", 1) < st.size:
         return False
-    return _close(store, st, "all")
+    return _close(store, prefix, st.rank, "all")
 
 
-def _close(store: Any, st: GroupState, why: str) -> bool:
-    """Closes the group's board: True for the one rank whose close won (its token is its own, so
-    that a close that lost never reads as won)."""
-    token = f"{why}:{st.rank}"
-    return bytes(store.compare_set(f"{_prefix(st)}/complete", "", token)) == token.encode()
+def _close(store: Any, prefix: str, rank: int, why: str) -> bool:
+    """Closes the board under ``prefix``: True for the one rank whose close won (its token is
+    its own, so that a close that lost never reads as won)."""
+    token = f"{why}:{rank}"
+    return bytes(store.compare_set(f"{prefix}/complete", "", token)) == token.encode()
 
 
-def publish(st: GroupState, store: Any) -> dict[str, Any]:
+def publish(st: GroupState, store: Any, prefix: str | None = None) -> dict[str, Any]:
     """Reads the closed board (the one read of every record, by the one rank that closed it),
-    writes its summary to the key every other reporter waits on, and returns it."""
-    prefix = _prefix(st)
+    writes its summary to the key every other reporter waits on, and returns it. ``prefix``:
+    the board's, fixed when the fault began (default: the group's current generation's)."""
+    prefix = _prefix(st) if prefix is None else prefix
     summary = summarize(st, bytes(store.get(f"{prefix}/status")))
     store.set(f"{prefix}/summary", json.dumps(summary, separators=(",", ":")))
     return summary
@@ -187,7 +188,8 @@ def report(
     group's other ranks if no one has yet, and collects everyone's status for the window after
     now, or after ``until`` (a ``time.monotonic()`` value) when given. ``None`` when the group has
     no store or the store cannot be reached. ``rung``: this rank learnt of the fault from a peer
-    (fastdist._bell) and has posted already; it only collects."""
+    (fastdist._bell) and has posted already; it closes the board only a while after its own
+    window ends, in case its ringer died."""
     from . import _bell
 
     store = st.store
@@ -203,7 +205,7 @@ def report(
         if not rung and store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
             _bell.ring(st, me)  # the first to report: every other live rank learns it now
         if post_status(st, me):  # this rank's post completed the board: it summarizes
-            return publish(st, store)
+            return publish(st, store, prefix)
         # Until everyone posted or the window closes: whichever reporter's window ends first
         # closes the board for all and publishes the summary that the others wait on. A rung
         # rank closes only later (its ringer, whose window ended first, is closing it), in case
@@ -213,8 +215,10 @@ def report(
         published: list[dict[str, Any]] = []  # by this rank's closer, if it closed the board
 
         def close() -> None:
-            if _close(store, st, "deadline"):
-                published.append(publish(st, store))
+            # This generation's board: a closer that runs late (this rank was stopped, say) must
+            # not close the board of the generation recover() has moved the group to since.
+            if _close(store, prefix, st.rank, "deadline"):
+                published.append(publish(st, store, prefix))
 
         close_at = end + (SUMMARY_SECONDS / 2 if rung else 0.0)
         if _bell.wait_key(store, f"{prefix}/summary", end + SUMMARY_SECONDS, close, close_at):
@@ -310,43 +314,43 @@ def _valid_ranges(v: Any, size: int) -> bool:
     )
 
 
+_SUMMARY_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "classes": list,
+    "stacks": list,
+    "first_timeouts": list,
+    "invalid": int,
+}
+
+
 def parse_summary(raw: bytes, size: int) -> dict[str, Any] | None:
     """A summary read from the store, or None when it is not one fastdist wrote for a group of
     ``size`` ranks (the store has no authentication: see the README's Security section)."""
-    try:
-        s = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    s: dict[str, Any] | None = _keys.parse_record(raw, _SUMMARY_FIELDS)
+    if s is None:
         return None
-    if not isinstance(s, dict):
-        return None
-    classes, stacks, first = s.get("classes"), s.get("stacks"), s.get("first_timeouts")
     ok = (
-        isinstance(classes, list)
-        and all(
+        all(
             isinstance(c, list)
             and len(c) == 4
             and isinstance(c[0], str)
             and _is_int(c[1])
             and c[2] in _STATES
             and _valid_ranges(c[3], size)
-            for c in classes
+            for c in s["classes"]
         )
-        and isinstance(stacks, list)
         and all(
             isinstance(e, list)
             and len(e) == 2
             and isinstance(e[0], list)
             and all(isinstance(f, str) for f in e[0])
             and _valid_ranges(e[1], size)
-            for e in stacks
+            for e in s["stacks"]
         )
-        and isinstance(first, list)
         and all(
             isinstance(p, list) and len(p) == 2 and isinstance(p[0], (int, float)) and _is_int(p[1])
-            for p in first
+            for p in s["first_timeouts"]
         )
         and (s.get("straggler") is None or isinstance(s.get("straggler"), str))
-        and _is_int(s.get("invalid"))
     )
     return s if ok else None
 
