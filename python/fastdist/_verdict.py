@@ -101,6 +101,8 @@ def peer_closed(
     if rep is None and diagnostics.store_failure is not None:
         why = diagnostics.store_gone_reason()
     if cause is not None:
+        assert rep is not None  # a cause comes from a report's timed-out ranks
+        _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {min(rep.timed_out)}", replace=True)
         return timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
     reason = f"{why}; {op} #{seq} failed: {text}"
     _groups.mark_dead(pg, reason, replace=True)

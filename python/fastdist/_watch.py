@@ -176,9 +176,10 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         return GroupAbortedError(op=op, group="?", rank=-1, reason=info["detail"] or f"{op} #{seq} {kind}")
     st = _groups.state_of(pg)
     if kind == "refused":
-        return GroupAbortedError(
-            op=op, group=st.name, rank=st.my_global_rank, reason=info["detail"] or "aborted"
-        )
+        # The reason fastdist recorded (it names the peer whose fault rang this rank) before the
+        # engine's own, which knows only that the op was ended by a peer's fault.
+        reason = st.dead_reason or info["detail"] or "aborted"
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     start = float(info["start"])
     deadline = float(info["deadline"])
     last_seen = info["prev"] or None
