@@ -39,6 +39,10 @@ def test_absent_rank_times_out_everyone_who_waited(world_size: int) -> None:
             f"barrier #4 on group 'default' timed out after 1.5 s on rank {r.rank}: "
             f"rank {absent} never arrived (last seen in all_gather #3)"
         ), t["message"]
+        # The absent rank is alive, its main thread in a store.wait on the job's store client (as a
+        # rank stuck in a group's creation is): its listener answers on a connection of its own.
+        assert f"rank {absent} is not in a collective: rank_main.py:" in t["message"], t["message"]
+        assert "in wait_release <- scenarios.py:" in t["message"], t["message"]
         aborted = r.record("aborted")
         assert aborted["elapsed"] < 0.1, info
         # The refusal names the rank whose timeout aborted the group: this one, or the peer that

@@ -266,6 +266,14 @@ class _Listener(threading.Thread):
         global _waiter
         try:
             conn = queues_of(self.store).clone()  # this thread's own, for its blocking pops
+            # The listener posts and forwards on a connection of its own too: the job's store
+            # client serves one operation at a time, and the rank's own code can hold it for
+            # minutes (a rank stuck in dist.new_group's store barrier, or in a store.wait), when
+            # its status and the ring through it are wanted. Between pops the pop connection is
+            # free (the queues under the job's prefixes: a TCPStore); an EtcdStore's queues live
+            # under no prefix, and the posts need it: a clone of the job's store then.
+            poster = conn if queues_of(self.store) is self.store else self.store.clone()
+            short = self.store.timeout
             conn.set_timeout(_FOREVER)
             _waiter = self.store.clone()
         except Exception as exc:  # noqa: BLE001 - a store that cannot clone (a Python store but ours)
@@ -286,9 +294,14 @@ class _Listener(threading.Thread):
             if fault is None:
                 continue
             try:
-                _handle(self.store, fault, raw)
+                if poster is conn:
+                    conn.set_timeout(short)  # short operations: the job's store timeout
+                _handle(poster, fault, raw)
             except Exception as exc:  # noqa: BLE001 - a listener must outlive one bad fault
                 logger.warning("fastdist: handling a peer's fault failed: %r", exc)
+            finally:
+                if poster is conn:
+                    conn.set_timeout(_FOREVER)
 
 
 def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
