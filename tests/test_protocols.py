@@ -43,6 +43,7 @@ class Counting:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.names: list[str] = []
+        self.calls: list[tuple[str, Any]] = []  # (operation, its first argument)
 
     @property
     def ops(self) -> int:
@@ -54,6 +55,7 @@ class Counting:
 
         def counted(*args: Any) -> Any:
             self.names.append(name)
+            self.calls.append((name, args[0] if args else None))
             return fn(*args)
 
         return counted
@@ -154,6 +156,35 @@ def test_the_rank_that_completes_the_board_publishes_the_summary_once() -> None:
     # closing the board, one read of every record and the summary's write: no wait.
     assert counting.ops == 8, counting.ops
     assert diagnostics.parse_summary(store.get(_keys.key("diag", "h", 0) + "/summary"), 3) is not None
+
+
+def test_when_the_closer_never_publishes_one_rank_takes_its_place_and_every_rank_gets_its_summary() -> None:
+    # The board was closed by a rank whose summary never came (it died, or the store was too busy
+    # for it): the live reporters must not each read every record (N^2 bytes from the one store:
+    # 5 GB at 4,096 ranks). One takes over, reads the records once and publishes; the others wait.
+    store = dist.HashStore()
+    prefix = _keys.key("diag", "t", 0)
+    store.compare_set(f"{prefix}/complete", "", "deadline:3")
+    reports: dict[int, Any] = {}
+    counters = {r: Counting(store) for r in range(3)}
+
+    def run(r: int) -> None:
+        reports[r] = diagnostics.report(_rank(counters[r], r, 4, name="t"), "barrier", 2, "timed_out", 1.0)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    assert all(rep is not None and rep.missing == [3] for rep in reports.values()), reports
+    assert len({json.dumps(sorted(rep.stacks.items())) for rep in reports.values()}) == 1  # the same
+    calls = {r: c.calls for r, c in counters.items()}
+    readers = [r for r, cs in calls.items() if ("get", f"{prefix}/status") in cs]
+    assert len(readers) == 1, calls
+    assert all(("get", f"{prefix}/summary") in cs for r, cs in calls.items() if r not in readers), calls
+    assert store.get(f"{prefix}/taker/1") == str(readers[0]).encode()
+    assert not store.check([f"{prefix}/taker/2"])
 
 
 def _agree_all(

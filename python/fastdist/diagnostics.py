@@ -165,14 +165,36 @@ def publish(st: GroupState, store: Any, prefix: str | None = None) -> dict[str, 
     the board's, fixed when the fault began (default: the group's current generation's)."""
     prefix = _prefix(st) if prefix is None else prefix
     summary = summarize(st, bytes(store.get(f"{prefix}/status")))
-    store.set(f"{prefix}/summary", json.dumps(summary, separators=(",", ":")))
+    mine = json.dumps(summary, separators=(",", ":"))
+    # The first summary written stays (a rank that took over from a slow closer, below, and the
+    # closer may both write one): every rank gets the same report.
+    stored = bytes(store.compare_set(f"{prefix}/summary", "", mine))
+    if stored != mine.encode():
+        first = parse_summary(stored, st.size)
+        return summary if first is None else first
     return summary
+
+
+def _read_summary(st: GroupState, store: Any, prefix: str) -> dict[str, Any]:
+    """The published summary or, when it is not fastdist's, the records themselves."""
+    summary = parse_summary(bytes(store.get(f"{prefix}/summary")), st.size)
+    if summary is not None:
+        return summary
+    logger.warning(
+        "rank %d: the report's summary in the store is not fastdist's (is something else using it?): "
+        "reading the records themselves",
+        st.my_global_rank,
+    )
+    return summarize(st, bytes(store.get(f"{prefix}/status")))
 
 
 # How long a reporter waits for the summary past its own window: the closer reads every record
 # once, summarizes and writes (about 10 ms at 1,024 ranks); past this the writer is taken to be
-# gone and the reporter reads the board itself.
+# slow or gone and one rank takes its place (report(), below).
 SUMMARY_SECONDS = 1.0
+# How many ranks in turn take the place of a closer whose summary did not come (a second each;
+# the report's bound, GRACE_SECONDS past the first wait, ends the turns about then anyway).
+TAKER_TURNS = 3
 
 
 def report(
@@ -224,16 +246,23 @@ def report(
         if _bell.wait_key(store, f"{prefix}/summary", end + SUMMARY_SECONDS, close, close_at):
             if published:  # (else read it: the closer may not have appended it yet)
                 return published[0]
-            summary = parse_summary(bytes(store.get(f"{prefix}/summary")), st.size)
-            if summary is not None:
-                return summary
-            logger.warning(
-                "rank %d: the report's summary in the store is not fastdist's (is something else "
-                "using it?): reading the records themselves",
-                st.my_global_rank,
-            )
-        # No summary: its writer died after closing the board. Read the records themselves.
-        return summarize(st, bytes(store.get(f"{prefix}/status")))
+            return _read_summary(st, store, prefix)
+        # No summary yet: its writer is slow (the store is busy: every rank posted at once) or
+        # died after closing the board. One rank at a time takes its place, reads the records
+        # once and publishes; the others go on waiting on the key. Every rank reading the
+        # records instead would be N^2 bytes from the one store at its busiest (5 GB at 4,096
+        # ranks). This ends with the summary, or when the report's bound gives up on the store.
+        turn = 0
+        while not _abandoned.is_set():
+            turn += 1
+            token = str(st.rank)
+            if turn <= TAKER_TURNS and bytes(store.compare_set(f"{prefix}/taker/{turn}", "", token)) == (
+                token.encode()
+            ):
+                return publish(st, store, prefix)
+            if _bell.wait_key(store, f"{prefix}/summary", current_time() + SUMMARY_SECONDS):
+                return _read_summary(st, store, prefix)
+        return summarize(st, b"")  # (given up on: the caller has moved on)
 
     try:
         # A store cut off by the network would hold this rank here for minutes: bounded.

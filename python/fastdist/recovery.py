@@ -501,7 +501,9 @@ def _keys_of_generation(st: _groups.GroupState, gen: int) -> list[str]:
     rec = _keys.key("recover", st.name, gen)
     diag = _keys.key("diag", st.name, gen)
     return [f"{rec}/{k}" for k in ("count", "members", "closed")] + [
-        f"{diag}/{k}" for k in ("fault", "status", "count", "complete", "summary")
+        f"{diag}/{k}"
+        for k in ("fault", "status", "count", "complete", "summary")
+        + tuple(f"taker/{t}" for t in range(1, diagnostics.TAKER_TURNS + 1))
     ]
 
 
