@@ -273,7 +273,7 @@ class _Listener(threading.Thread):
             # free (the queues under the job's prefixes: a TCPStore); an EtcdStore's queues live
             # under no prefix, and the posts need it: a clone of the job's store then.
             poster = conn if queues_of(self.store) is self.store else self.store.clone()
-            short = self.store.timeout
+            short = self.store.timeout if poster is conn else _FOREVER
             conn.set_timeout(_FOREVER)
             _waiter = self.store.clone()
         except Exception as exc:  # noqa: BLE001 - a store that cannot clone (a Python store but ours)
