@@ -112,7 +112,7 @@ def build(data: dict) -> tuple[str, dict]:
     if scale:
         lines += [
             "",
-            "### The report and the recovery agreement at scale: simulated ranks (4 processes), one TCPStore",
+            "### The report and the recovery agreement at scale: simulated ranks (256 a process), a TCPStore",
             "",
             (
                 "| ranks | report: ops per rank (median, max) | posted in the window | ring reached all | "

@@ -65,7 +65,7 @@ def _own_waiter() -> Iterator[Any]:
 
 def _connect(port: int, n: int) -> list[Any]:
     timeout = datetime.timedelta(seconds=300)
-    # Made in parallel: on some network stacks (gVisor) about one connect in 25 stalls for 5 s.
+    # Made in parallel: a connect can wait on the resolver (see test_report_scale._SIM_ENV).
     with concurrent.futures.ThreadPoolExecutor(256) as pool:
         return list(
             pool.map(lambda _: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout), range(n))
