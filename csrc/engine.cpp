@@ -128,7 +128,10 @@ std::shared_ptr<Token> Engine::add(Nanos deadline, Action on_expire) {
     ensure_started_locked();
     token->seq = next_seq_++;
     heap_.push(token.get());
-    earliest = deadline < timer_wakes_at_;
+    // A timer thread not waiting (not started yet, or handing actions over) reads the heap
+    // before it next waits: only a waiting one needs waking, and a notify then would be a
+    // wake-up for nothing (counted in the stats; an idle engine makes none).
+    earliest = timer_waiting_ && deadline < timer_wakes_at_;
     if (earliest) timer_wakes_at_ = deadline;
   }
   // Only a deadline earlier than the timer thread's next wake-up changes when it must wake up.
@@ -176,11 +179,13 @@ void Engine::timer_loop() {
     if (clock_.fake()) waiters_cv_.notify_all();  // advance() waits for this
     const Nanos next = heap_.top_deadline();
     timer_wakes_at_ = clock_.fake() ? kNever : next;
+    timer_waiting_ = true;
     if (clock_.fake() || next == kNever) {
       timer_cv_.wait(lk);
     } else {
       timer_cv_.wait_until(lk, std::chrono::steady_clock::time_point(std::chrono::nanoseconds(next)));
     }
+    timer_waiting_ = false;
     ++stats_.timer_wakeups;
   }
 }
@@ -261,6 +266,7 @@ void Engine::child_after_fork() {
     new (&e->timer_) std::thread();
     e->started_ = false;
     e->in_transit_ = false;  // the timer thread that was handing actions over is gone
+    e->timer_waiting_ = false;
     new (&e->timer_cv_) std::condition_variable();
     new (&e->waiters_cv_) std::condition_variable();
     e->mu_.unlock();

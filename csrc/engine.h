@@ -135,6 +135,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool started_ = false;
   bool stopping_ = false;
   bool in_transit_ = false;  // the timer thread is handing expired tokens' actions to the executor
+  bool timer_waiting_ = false;  // the timer thread is in its wait (under mu_: add() knows)
   std::thread timer_;
   Executor executor_;
   EngineStats stats_;
