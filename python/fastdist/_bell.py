@@ -268,10 +268,11 @@ class _Listener(threading.Thread):
             conn = queues_of(self.store).clone()  # this thread's own, for its blocking pops
             # The listener posts and forwards on a connection of its own too: the job's store
             # client serves one operation at a time, and the rank's own code can hold it for
-            # minutes (a rank stuck in dist.new_group's store barrier, or in a store.wait), when
-            # its status and the ring through it are wanted. Between pops the pop connection is
-            # free (the queues under the job's prefixes: a TCPStore); an EtcdStore's queues live
-            # under no prefix, and the posts need it: a clone of the job's store then.
+            # minutes (a rank in a group's creation, where gloo's connect waits in a store get, or
+            # in a store.wait), when its status and the ring through it are wanted. Between pops
+            # the pop connection is free (the queues under the job's prefixes: a TCPStore); an
+            # EtcdStore's queues live under no prefix, and the posts need it: a clone of the job's
+            # store then.
             poster = conn if queues_of(self.store) is self.store else self.store.clone()
             short = self.store.timeout if poster is conn else _FOREVER
             conn.set_timeout(_FOREVER)
