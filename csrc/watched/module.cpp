@@ -7,6 +7,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "solo.h"
 #include "watched.h"
 
 namespace py = pybind11;
@@ -85,6 +86,15 @@ PYBIND11_MODULE(_watched, m) {
   m.def("keep_dead_backends", &keep_dead_backends);
   m.def("clear_next_deadline", &clear_next_deadline);
   m.def("set_history_enabled", &set_history_enabled, py::arg("on"));
+
+  // dynamic_attr: torch's group creation sets options.group_name etc. on a gloo backend.
+  py::class_<SoloBackend, c10d::Backend, c10::intrusive_ptr<SoloBackend>>(m, "SoloBackend", py::dynamic_attr())
+      .def(py::init([](int rank, int size, const std::string& name) {
+             if (size < 1 || rank < 0 || rank >= size) throw py::value_error("rank must be in [0, size)");
+             return c10::make_intrusive<SoloBackend>(rank, size, name);
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("name"))
+      .def("_set_sequence_number_for_group", [](SoloBackend&) {});
 
   py::class_<WatchedBackend, c10d::Backend, c10::intrusive_ptr<WatchedBackend>>(m, "WatchedBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& name, double default_timeout,
