@@ -70,7 +70,7 @@ from .errors import (
 )
 from .etcd import EtcdStore
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
-from .recovery import get_rank, get_world_size, init_process_group, recover
+from .recovery import get_rank, get_world_size, init_process_group, recover, sync_state
 
 # fastdist.rpc is a submodule (import fastdist.rpc): it imports torch.distributed.rpc.
 
@@ -125,5 +125,6 @@ __all__ = [
     "set_checks",
     "set_default_timeout",
     "set_timeout_handler",
+    "sync_state",
     "wait",
 ]

@@ -388,6 +388,28 @@ def reset_ddp(old_groups: list[Any], replacement: Any | None = None) -> int:
     return n
 
 
+def fresh_ddp_reducers(groups: list[Any]) -> int:
+    """Gives every DDP module on one of ``groups`` a new reducer, as its constructor builds one
+    (torch's own recipe, ``DistributedDataParallel.__setstate__``): a process that joined has
+    a new DDP whose gradient buckets are laid out by parameter order, while the live ranks' were
+    rebuilt in the order gradients came; an all-reduce over buckets laid out differently sums
+    unrelated gradients. Afterwards every rank starts from the same layout, and rebuilds it the
+    same way after the next step. Returns how many were rebuilt."""
+    ids = {id(g) for g in groups}
+    n = 0
+    for module in list(_ddp_modules):
+        if id(getattr(module, "process_group", None)) not in ids:
+            continue
+        parameters, expect_sparse = module._build_params_for_reducer()
+        names = module._build_debug_param_to_name_mapping(parameters)
+        module._ddp_init_helper(parameters, expect_sparse, names, module.static_graph)
+        if module.static_graph:
+            module.reducer._set_static_graph()
+        module._has_rebuilt_buckets = False
+        n += 1
+    return n
+
+
 def reset_fsdp() -> int:
     """Resets the per-iteration state of every root FSDP2 module (``reset_iter_state``, torch's
     own recovery hook for a forward or backward that raised), so that the next step starts from

@@ -16,6 +16,7 @@ a :class:`GroupAbortedError`, rebuilds the group without restarting the processe
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -27,10 +28,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _bell, _bounded, _groups, _keys, _polled, _watch, diagnostics
+from . import _bell, _bounded, _groups, _keys, _polled, _watch, diagnostics, joining, state_sync
 from ._bounded import GRACE_SECONDS, StoreUnanswered, bounded
-from ._timeouts import RendezvousTimeout, TimeoutLike, current_time, effective_deadline, validate_seconds
-from .errors import RecoveryError
+from ._timeouts import (
+    RendezvousTimeout,
+    TimeoutLike,
+    current_time,
+    effective_deadline,
+    get_default_timeout,
+    validate_seconds,
+)
+from .errors import FastdistError, RecoveryError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,7 @@ def init_process_group(
     retries: int | None = 3,
     backoff: float = 0.5,
     rendezvous_timeout: Any | None = None,
+    spares: int | None = None,
     **kwargs: Any,
 ) -> None:
     """``torch.distributed.init_process_group`` (env:// as torchrun sets it, ``tcp://``,
@@ -72,6 +81,14 @@ def init_process_group(
     ``timeout`` (seconds or ``timedelta``) is the group's backend timeout, as in torch; fastdist
     calls still use their own ``timeout=``. For NCCL it sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
     unless already set (see :func:`configure_nccl_error_handling`).
+
+    A process that starts while the job runs (a replacement for a dead rank, same RANK) *joins*
+    it: this returns at once with its groups on stand-in backends, and the script then builds its
+    model and optimizer as on a first start and calls :func:`sync_state`, which takes the rank's
+    place at the live ranks' next :func:`recover` and loads their state. ``spares=K`` (or
+    ``FASTDIST_SPARES=K``): the last K processes of the launch hold no rank (the world size is
+    the launched size minus K); each waits here, blocked, until ``fastdist run`` gives it a dead
+    rank's place (it then joins), and exits 0 when the job ends without it.
     """
     from . import rendezvous as rdzv_mod
 
@@ -83,6 +100,7 @@ def init_process_group(
     for name, value in (("rank", rank), ("world_size", world_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    n_spares = joining.spares_arg(spares)
     configure_nccl_error_handling(backend)
     _lineage["reconnect"] = None
     target = _tcp_target(init_method, store)
@@ -153,18 +171,33 @@ def init_process_group(
             rdzv,
             hosts_store=target is not None and hosts_store,
         )
-    from . import _watch
-
+    job_store = _job_store(store)
+    joiner = False
+    if n_spares and (job_store is None or rank is None or world_size is None):
+        raise ValueError("spares need env://, tcp://, etcd:// or a store, with rank and world_size")
+    if job_store is not None and rank is not None and world_size is not None:
+        if n_spares >= world_size:
+            raise ValueError(f"spares ({n_spares}) must be fewer than the processes launched ({world_size})")
+        world_size -= n_spares
+        if rank >= world_size:
+            logger.info("launch rank %d: a spare, waiting for a dead rank's place", rank)
+            rank = joining.wait_for_vacancy(job_store, rank)
+            joiner = True
+        elif not _lineage.get("started"):  # a process that made its groups before is no joiner
+            joiner = joining.job_running(job_store)
     _watch.activate(None if td is None else td.total_seconds())
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method,
-        timeout=td,
-        store=store,
-        rank=-1 if rank is None else rank,
-        world_size=-1 if world_size is None else world_size,
-        **kwargs,
-    )
+    with joining.solo_groups() if joiner else contextlib.nullcontext():
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            timeout=td,
+            store=store,
+            rank=-1 if rank is None else rank,
+            world_size=-1 if world_size is None else world_size,
+            **kwargs,
+        )
+    _lineage["job_store"] = job_store
+    _lineage["started"] = True
     _lineage.update(
         backend=dist.get_backend(),
         timeout=td,
@@ -177,9 +210,20 @@ def init_process_group(
             _lineage["reconnect"] = None
         else:
             _lineage["root"].set(_LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
-    from . import _bell
-
+    if joiner:
+        logger.info("rank %d joins the running job: call fastdist.sync_state(state) to take its place", rank)
+        return
+    if job_store is not None:
+        joining.mark_running(job_store)
     _bell.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
+
+
+def _job_store(store: Any) -> Any | None:
+    """The job's store under fastdist's own keys (under torchrun's agent, below the prefix the
+    workers' groups use), or None when torch made the store itself."""
+    if isinstance(store, dist.PrefixStore) and _keys.agent_hosts_store():
+        return store.underlying_store
+    return store
 
 
 def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -272,7 +316,36 @@ def get_world_size(group: Any = None) -> int:
     return dist.get_world_size(group)
 
 
-def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: bool = False) -> Any:
+def sync_state(state: Any, *, timeout: TimeoutLike = None) -> bool:
+    """Loads the live ranks' state into ``state`` on a process that joined a running job, and
+    returns True; returns False at once on a first start (nothing to load).
+
+    ``state`` is a dict of objects with ``state_dict()`` / ``load_state_dict()`` (what
+    ``torch.distributed.checkpoint`` takes: the model, the optimizer, the user's step counter),
+    built as on a first start. The joiner takes its rank's place at the live ranks'
+    ``recover(state=...)``: every group it made is connected for real, and a live rank sends its
+    state over the default group. Bounded by ``timeout`` (default: the default timeout); raises
+    :class:`RecoveryError` when the live ranks do not take it in, or when ``state`` holds sharded
+    tensors (FSDP2), which no live rank has.
+    """
+    state = state_sync.check_state(state)
+    if not joining.is_pending():
+        return False
+    if timeout is None:
+        timeout = get_default_timeout()
+    pg = dist.distributed_c10d._get_default_group()
+    st = _groups.state_of(pg)
+    # The live ranks agree on the generation after the last one agreed: this rank's next.
+    st.generation = int(_lineage["root"].add(f"{_keys.key('recover', st.name)}/latest", 0))
+    recover(timeout=timeout, state=state)
+    joining.set_pending(False)
+    _bell.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
+    return True
+
+
+def recover(
+    group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: bool = False, state: Any = None
+) -> Any:
     """Rebuilds ``group`` (default: the default group) after a timeout or a
     :class:`GroupAbortedError`; every live rank of the group must call it. Returns the new group
     (for the default group, it also becomes the default).
@@ -285,7 +358,15 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     On NCCL the timed-out group's communicators are still being aborted when the timeout is
     raised; ``recover`` waits for that abort first (torch's abort frees device memory, so it
     also waits for kernels still running on the GPU), bounded by ``FASTDIST_ABORT_TIMEOUT``.
+
+    ``state`` (a dict of Statefuls, as :func:`sync_state` takes): when a process joined in the
+    place of a dead rank (a replacement or a spare), the lowest live rank sends it this state;
+    the others pass theirs too (it is not read). Without ``state`` a joiner cannot be brought
+    up to date, and recovery raises :class:`RecoveryError` on every rank rather than train on
+    with a rank that holds other weights.
     """
+    if state is not None:
+        state = state_sync.check_state(state)
     start = current_time()
     deadline = effective_deadline(timeout, start)
     if not isinstance(allow_shrink, bool):
@@ -321,8 +402,9 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
             if is_default:
                 _lineage["root"] = store
         # Bounded: a store cut off by the network would otherwise hold this rank for minutes.
+        joiner = joining.is_pending() and is_default
         members = bounded(
-            lambda abandoned: _agree(store, st, gen, deadline, allow_shrink, abandoned),
+            lambda abandoned: _agree(store, st, gen, deadline, allow_shrink, abandoned, joiner),
             deadline - current_time() + GRACE_SECONDS,
             "the recovery agreement's store work",
         )
@@ -350,6 +432,10 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
         _watch.reset_ddp(groups)
         _watch.reset_fsdp()
         logger.info("rank %d: group %r rebuilt in place as generation %d", me, st.name, gen)
+        joiners = _joiners(store, st, gen) if is_default else []
+        if joiners:
+            _watch.fresh_ddp_reducers(groups)
+            _hand_over(pg, st, gen, state, joiners, deadline)
         return pg
     if st.dead_reason is None:
         _groups.mark_dead(pg, "replaced by fastdist.recover()", level=logging.INFO)
@@ -373,6 +459,62 @@ def recover(group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: boo
     return new
 
 
+def _joiners(store: Any, st: _groups.GroupState, gen: int) -> list[int]:
+    """The global ranks that joined the job in generation ``gen`` (replacements, spares)."""
+    key = f"{_keys.key('recover', st.name)}/{gen}/joiners"
+    if not store.check([key]):
+        return []
+    return sorted({int(r) for r in bytes(store.get(key)).split()})
+
+
+def _hand_over(
+    pg: Any,
+    st: _groups.GroupState,
+    gen: int,
+    state: dict[str, Any] | None,
+    joiners: list[int],
+    deadline: float,
+) -> None:
+    """A live rank's ``state`` to the ranks that joined; on a joiner, loaded into its ``state``."""
+    me = st.my_global_rank
+    names = ", ".join(f"rank {r}" for r in joiners)
+
+    def fail(reason: str) -> RecoveryError:
+        return RecoveryError(group=st.name, rank=me, generation=gen, reason=reason, missing_ranks=None)
+
+    sharded = state_sync.sharded_entries(state) if state is not None else []
+    if sharded:
+        raise fail(
+            f"{names} joined in a dead rank's place, but {', '.join(map(repr, sharded))} hold sharded "
+            "tensors (FSDP2/DTensor): the dead rank's shards are on no live rank. Restart the job from a "
+            "checkpoint"
+        )
+    source = joining.source_of(st.size, joiners)
+    try:
+        if me in joiners:
+            received = state_sync.receive(source, pg, deadline)
+        else:
+            received = None
+            if me == source:
+                state_sync.send(state, joiners, pg, deadline)
+    except FastdistError as exc:
+        raise fail(f"handing the state to {names} failed: {exc}") from None
+    if state is None:
+        raise fail(
+            f"{names} joined in a dead rank's place, but recover() was called without state=: "
+            "the joiners cannot be brought up to date (pass the same state dict that sync_state() takes)"
+        )
+    if me not in joiners:
+        return
+    if received is None:
+        raise fail("the live ranks called recover() without state=: there is no state to load")
+    if set(received) != set(state):
+        raise fail(f"the live ranks' state has keys {sorted(received)}, this rank's {sorted(state)}")
+    for key, obj in state.items():
+        obj.load_state_dict(received[key])
+    logger.info("rank %d: loaded the state of rank %d (generation %d)", me, source, gen)
+
+
 def _agree(
     store: Any,
     st: _groups.GroupState,
@@ -380,6 +522,7 @@ def _agree(
     deadline: float,
     allow_shrink: bool,
     abandoned: threading.Event | None = None,
+    joiner: bool = False,
 ) -> list[int]:
     """The sorted global ranks of the new generation, the same on every member. ``abandoned``
     (set when the caller stopped waiting for an unanswering store): this rank must not join the
@@ -405,6 +548,8 @@ def _agree(
     base = f"{key}/{gen}"
     if abandoned is not None and abandoned.is_set():
         raise StoreUnanswered("the caller gave up on the store before this rank joined the agreement")
+    if joiner:  # before counting in: whoever sees the round complete sees this too
+        store.append(f"{base}/joiners", f"{me}\n")
     n = store.add(f"{base}/count", 1)
     store.append(f"{base}/members", f"{n}:{me}\n")
     if n >= st.size:
@@ -500,7 +645,7 @@ def _keys_of_generation(st: _groups.GroupState, gen: int) -> list[str]:
         return []
     rec = _keys.key("recover", st.name, gen)
     diag = _keys.key("diag", st.name, gen)
-    return [f"{rec}/{k}" for k in ("count", "members", "closed")] + [
+    return [f"{rec}/{k}" for k in ("count", "members", "closed", "joiners")] + [
         f"{diag}/{k}"
         for k in ("fault", "status", "count", "complete", "summary")
         + tuple(f"taker/{t}" for t in range(1, diagnostics.TAKER_TURNS + 1))

@@ -1,0 +1,141 @@
+"""A process that joins a running job: a replacement for a dead rank, or a spare taking its place.
+
+A process learns that it joins (rather than starts the job) from the job's store: every rank of
+the job's first start marks it running once its group is made (``running``), and a process that
+finds the mark before making its own group is a joiner. No rank of a first start can find it:
+making the default group needs every rank's connection, so no rank's init ends before the last
+one's begins.
+
+A joiner's groups are made on :class:`fastdist._watched.SoloBackend` (its ops complete at once,
+locally): the constructors the script runs before ``fastdist.sync_state`` (DDP's parameter check
+and broadcast, DeviceMesh) need no peer. ``sync_state`` then joins the live ranks' ``recover()``,
+swaps real backends in, and loads the state a live rank sends.
+
+Spares: with ``spares=K`` the last K processes of a launch hold no rank. A spare waits in
+``init_process_group``, blocked in a store wait on its own key (``spare/LAUNCH_RANK``: no CPU, no
+polling) until the launcher (``fastdist run``) writes a dead rank's number there, or "end" when
+the job is over (the spare then exits 0). (A key, not a queue: a blocking pop is never woken on
+the store torchrun's agent hosts, measured on torch 2.13.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed import distributed_c10d as _c10d
+
+from . import _keys, _watched
+
+RUNNING = "running"
+END = "end"
+
+_lock = threading.Lock()
+# Set between a joiner's init_process_group and its sync_state.
+_pending = False
+
+
+def running_key() -> str:
+    return _keys.key(RUNNING)
+
+
+def spare_key(launch_rank: int) -> str:
+    """Where the spare launched as ``launch_rank`` learns the rank it takes (or "end")."""
+    return _keys.key("spare", launch_rank)
+
+
+def dead_key(rank: int) -> str:
+    """The launcher's record of how ``rank``'s process ended."""
+    return _keys.key("dead", rank)
+
+
+def job_running(store: Any) -> bool:
+    return bool(store.check([running_key()]))
+
+
+def mark_running(store: Any) -> None:
+    store.set(running_key(), "1")
+
+
+def spares_arg(spares: Any) -> int:
+    """``spares=`` or FASTDIST_SPARES, validated."""
+    if spares is None:
+        raw = os.environ.get("FASTDIST_SPARES", "0").strip() or "0"
+        if not raw.isdigit():
+            raise ValueError(f"FASTDIST_SPARES must be a whole number, got {raw!r}")
+        return int(raw)
+    if isinstance(spares, bool) or not isinstance(spares, int):
+        raise TypeError(f"spares must be an int, got {type(spares).__name__}: {spares!r}")
+    if spares < 0:
+        raise ValueError(f"spares must be >= 0, got {spares}")
+    return spares
+
+
+def wait_for_vacancy(store: Any, launch_rank: int) -> int:
+    """Blocks until the launcher gives this spare a dead rank's place; returns that rank. Exits the
+    process with status 0 when the job ends without needing it."""
+    key = spare_key(launch_rank)
+    store.wait([key], datetime.timedelta(days=3650))
+    value = bytes(store.get(key)).decode()
+    if value == END:
+        raise SystemExit(0)
+    return int(value)
+
+
+def is_pending() -> bool:
+    return _pending
+
+
+def set_pending(on: bool) -> None:
+    global _pending
+    with _lock:
+        _pending = on
+        _c10d.ProcessGroupGloo = _SoloGloo if on else _RealGloo  # type: ignore[misc]
+
+
+_RealGloo = _c10d.ProcessGroupGloo
+
+
+class _SoloGlooMeta(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, (_RealGloo, _watched.SoloBackend))
+
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(_RealGloo, name)
+
+
+class _SoloGloo(metaclass=_SoloGlooMeta):
+    """Stands in for ProcessGroupGloo in torch's group creation while a joiner waits for its
+    slot: the group is made, named and registered as torch makes it, on a SoloBackend."""
+
+    def __new__(cls, store: Any, rank: int, size: int, *args: Any, **kwargs: Any) -> Any:
+        backend = _watched.SoloBackend(rank, size, "gloo")
+        backend.options = _Options()
+        return backend
+
+
+class _Options:
+    """What torch sets on a new gloo backend's options (group name, global ranks)."""
+
+
+@contextmanager
+def solo_groups() -> Iterator[None]:
+    """Groups made inside are made on SoloBackends (for a joiner's init)."""
+    set_pending(True)
+    try:
+        yield
+    except BaseException:
+        set_pending(False)
+        raise
+
+
+def source_of(size: int, joiners: list[int]) -> int:
+    """The live rank that sends the state: the lowest rank that did not join."""
+    for r in range(size):
+        if r not in joiners:
+            return r
+    raise ValueError("every rank is joining: no live rank holds the state")
