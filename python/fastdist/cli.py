@@ -7,6 +7,14 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        # torchrun's own flags and the script's: not for this parser.
+        from . import launcher
+
+        return launcher.main(argv[1:])
     parser = argparse.ArgumentParser(prog="fastdist", description="Real deadlines for torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -14,6 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     demo_parser = sub.add_parser("demo", help="run a local multi-rank gloo job in which one rank hangs")
     demo.add_arguments(demo_parser)
+    sub.add_parser("run", help="torchrun that replaces a dead worker (fastdist run --help)", add_help=False)
     doctor_parser = sub.add_parser(
         "doctor", help="check whether this machine can join a job, and say what to fix"
     )
