@@ -1,0 +1,1 @@
+"""Example training scripts (run with fastdist run -m fastdist.examples.NAME)."""

@@ -1,0 +1,122 @@
+"""A DDP training script as a user writes it for ``fastdist run``: the same script on every
+process, first start or replacement.
+
+    fastdist run --nproc-per-node 3 -m fastdist.examples.train_ddp --steps 20
+
+``--kill-rank R --kill-step S`` makes rank R SIGKILL itself in its backward at step S, once (a
+marker file keeps its replacement alive), to show a dead worker replaced. ``--out DIR`` writes
+each rank's final parameters and optimizer state (``rank{R}.pt``) for comparing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+import fastdist
+
+
+class Progress:
+    """The loop's position, as state that is handed to a joiner with the model's."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = int(sd["step"])
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    """This rank's data at ``step``: a function of the step alone, so a redone step sees the same."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 8, generator=g)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--step-timeout", type=float, default=3.0)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    fastdist.init_process_group("gloo")  # env:// from the launcher; a joiner returns at once
+    rank = fastdist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    progress = Progress()
+    state = {"model": model, "optim": opt, "progress": progress}
+    if fastdist.sync_state(state):  # False on a first start; a joiner loads the live ranks' state
+        print(f"rank {rank}: joined the running job at step {progress.step}", flush=True)
+
+    marker = os.path.join(args.out or "/tmp", f".killed-{os.environ.get('TORCHELASTIC_RUN_ID', 'x')}")
+    if rank == args.kill_rank and not os.path.exists(marker):
+
+        def die(grad: torch.Tensor) -> torch.Tensor:
+            if progress.step == args.kill_step:
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-backward, as an OOM kill would
+            return grad
+
+        net[0].weight.register_hook(die)  # type: ignore[operator]
+
+    while progress.step < args.steps:
+        try:
+            with fastdist.fail_after(args.step_timeout):
+                opt.zero_grad()
+                model(batch(progress.step, rank)).pow(2).mean().backward()
+                opt.step()
+            progress.step += 1
+        except fastdist.FastdistError as err:
+            print(f"rank {rank}: step {progress.step} failed: {err}", flush=True)
+            t0 = time.monotonic()
+            fastdist.recover(timeout=60, state=state)
+            print(f"rank {rank}: recovered in {time.monotonic() - t0:.2f} s", flush=True)
+
+    if args.out:
+        torch.save(
+            {
+                "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+                "optim": opt.state_dict(),
+                "step": progress.step,
+            },
+            os.path.join(args.out, f"rank{rank}.pt"),
+        )
+    print(f"rank {rank}: done at step {progress.step}", flush=True)
+
+
+def compare(reference: str, other: str, world: int) -> float:
+    """The largest difference between any rank's parameters and SGD momentum in ``other`` and
+    rank 0's in ``reference`` (each a --out directory); inf when a rank's file is missing or its
+    step differs."""
+    ref = torch.load(os.path.join(reference, "rank0.pt"))
+    worst = 0.0
+    for r in range(world):
+        path = os.path.join(other, f"rank{r}.pt")
+        if not os.path.exists(path):
+            return float("inf")
+        got = torch.load(path)
+        if got["step"] != ref["step"]:
+            return float("inf")
+        pairs = list(zip(ref["params"].values(), got["params"].values()))
+        pairs += [
+            (a["momentum_buffer"], b["momentum_buffer"])
+            for a, b in zip(ref["optim"]["state"].values(), got["optim"]["state"].values())
+        ]
+        worst = max([worst] + [(a - b).abs().max().item() for a, b in pairs])
+    return worst
+
+
+if __name__ == "__main__":
+    main()

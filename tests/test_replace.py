@@ -1,0 +1,120 @@
+"""A dead worker replaced, not the job: ``fastdist run`` (torch's elastic agent, one process
+context per worker) with the example DDP script, a worker SIGKILLed in its backward. The final
+parameters and SGD momentum of every rank must equal an undisturbed run's (the failed step redone
+once), with a new process, with a waiting spare, and the job must end non-zero with its story
+when no replacement is left. Each launch costs several seconds (the agent and every worker import
+torch), so each test checks several things."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastdist.examples.train_ddp import compare
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(240)
+STEPS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(out: Path, *flags: str, script: tuple[str, ...] = (), timeout: float = 90.0) -> tuple[int, str]:
+    """``python -m fastdist.run FLAGS`` on the example script; its exit code and output."""
+    out.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastdist.run",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        *flags,
+        "-m",
+        "fastdist.examples.train_ddp",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        *script,
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True
+    )
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, text.decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An undisturbed run, launched with a spare that is never needed: it must exit 0."""
+    out = tmp_path_factory.mktemp("replace") / "reference"
+    rc, log = _launch(out, "--nproc-per-node", "4", "--spares", "1")
+    assert rc == 0, log
+    assert log.count("done at step 12") == 3, log
+    assert "died" not in log, log
+    return out
+
+
+def test_dead_worker_is_replaced_and_the_model_equals_an_undisturbed_run(
+    reference: Path, tmp_path: Path
+) -> None:
+    rc, log = _launch(
+        tmp_path / "killed", "--nproc-per-node", "3", script=("--kill-rank", "1", "--kill-step", "5")
+    )
+    assert rc == 0, log
+    assert "rank 1 (local rank 1" in log and "died: exit by SIGKILL" in log, log
+    assert "rank 1: replacement started" in log, log
+    assert "rank 1: joined the running job at step 5" in log, log
+    # The live ranks were never restarted: each says once that it is done, the joiner too.
+    assert log.count("done at step 12") == 3, log
+    for r in (0, 2):
+        assert f"rank {r}: step 5 failed" in log, log
+    assert compare(str(reference), str(tmp_path / "killed"), 3) <= 1e-6
+
+
+def test_a_waiting_spare_takes_the_dead_rank(reference: Path, tmp_path: Path) -> None:
+    rc, log = _launch(
+        tmp_path / "spare",
+        "--nproc-per-node",
+        "4",
+        "--spares",
+        "1",
+        script=("--kill-rank", "1", "--kill-step", "5"),
+    )
+    assert rc == 0, log
+    assert "rank 1 goes to a waiting spare (local rank 3)" in log, log
+    assert "replacement started" not in log, log  # no process started after the fault
+    assert "rank 1: joined the running job at step 5" in log, log
+    assert compare(str(reference), str(tmp_path / "spare"), 3) <= 1e-6
+
+
+def test_the_job_ends_non_zero_with_its_story_when_no_replacement_is_left(tmp_path: Path) -> None:
+    rc, log = _launch(
+        tmp_path / "spent",
+        "--nproc-per-node",
+        "3",
+        "--max-replacements",
+        "0",
+        script=("--kill-rank", "1", "--kill-step", "2"),
+    )
+    assert rc != 0, log
+    assert "rank 1 (local rank 1" in log and "died: exit by SIGKILL" in log, log
+    assert "no replacement left" in log, log
+    assert "what happened:" in log, log
