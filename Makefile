@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine with Python 3.9+ and a C++ compiler:
 #   make demo    set up .venv (torch==2.13.0 unless the venv has a torch), build, run the demo
+#                (a worker SIGKILLed mid-step under fastdist run and replaced)
 #   make test    same set-up, then `make check` (lint, types, sanitizers), then the whole test suite
 #   make bench   same set-up, then bench/ (results in bench/results/)
 PYTHON ?= python3
@@ -21,7 +22,7 @@ $(STAMP): $(SOURCES)
 	touch $@
 
 demo: setup
-	$(PY) -m fastdist demo
+	$(PY) -m fastdist demo --kill
 
 # The gates: ruff (lint and format), mypy --strict, and the engine's stress test under
 # ThreadSanitizer and ASan + UBSan. Any finding fails the build.

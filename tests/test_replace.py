@@ -28,7 +28,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(out: Path, *flags: str, script: tuple[str, ...] = (), timeout: float = 90.0) -> tuple[int, str]:
+def _launch(
+    out: Path, *flags: str, script: tuple[str, ...] = (), target: tuple[str, ...] = (), timeout: float = 90.0
+) -> tuple[int, str]:
     """``python -m fastdist.run FLAGS`` on the example script; its exit code and output."""
     out.mkdir()
     cmd = [
@@ -40,12 +42,7 @@ def _launch(out: Path, *flags: str, script: tuple[str, ...] = (), timeout: float
         "--master-port",
         str(_free_port()),
         *flags,
-        "-m",
-        "fastdist.examples.train_ddp",
-        "--steps",
-        str(STEPS),
-        "--out",
-        str(out),
+        *(target or ("-m", "fastdist.examples.train_ddp", "--steps", str(STEPS), "--out", str(out))),
         *script,
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -84,8 +81,10 @@ def test_dead_worker_is_replaced_and_the_model_equals_an_undisturbed_run(
     assert "rank 1: joined the running job at step 5" in log, log
     # The live ranks were never restarted: each says once that it is done, the joiner too.
     assert log.count("done at step 12") == 3, log
-    for r in (0, 2):
-        assert f"rank {r}: step 5 failed" in log, log
+    for r in (0, 2):  # named as dead at once, from the agent's record, not "did not answer"
+        assert f"rank {r}: step 5 failed: " in log, log
+        line = log.split(f"rank {r}: step 5 failed: ", 1)[1].splitlines()[0]
+        assert "rank 1 is dead (exit by SIGKILL)" in line, line
     assert compare(str(reference), str(tmp_path / "killed"), 3) <= 1e-6
 
 
@@ -118,3 +117,57 @@ def test_the_job_ends_non_zero_with_its_story_when_no_replacement_is_left(tmp_pa
     assert "rank 1 (local rank 1" in log and "died: exit by SIGKILL" in log, log
     assert "no replacement left" in log, log
     assert "what happened:" in log, log
+
+
+def test_fsdp2_shards_of_a_dead_rank_are_refused_on_both_sides(tmp_path: Path) -> None:
+    out = tmp_path / "fsdp"
+    rc, log = _launch(
+        out,
+        "--nproc-per-node",
+        "3",
+        "--max-replacements",
+        "1",
+        target=(str(ROOT / "tests" / "replace_fsdp.py"), str(out)),
+    )
+    assert rc != 0, log  # nothing hangs: the job ends once the one replacement is spent
+    why = "the state entries 'model' hold sharded tensors (FSDP2/DTensor): the dead rank's shards are on no"
+    for who in ("rank 1: sync_state: ", "rank 0: recover: ", "rank 2: recover: "):
+        assert who in log, log
+        assert why in log.split(who, 1)[1].splitlines()[0], log
+
+
+def _faults(out: Path, fault: str, *flags: str) -> tuple[int, str]:
+    """The example script with a fault in the fault (tests/replace_faults.py)."""
+    os.environ["FAULT"] = fault
+    try:
+        return _launch(
+            out,
+            *flags,
+            target=(str(ROOT / "tests" / "replace_faults.py"), "--steps", str(STEPS), "--out", str(out)),
+            script=("--kill-rank", "1", "--kill-step", "5"),
+        )
+    finally:
+        del os.environ["FAULT"]
+
+
+def test_a_replacement_that_dies_mid_transfer_is_replaced_again(reference: Path, tmp_path: Path) -> None:
+    rc, log = _faults(tmp_path / "transfer", "joiner-mid-transfer", "--nproc-per-node", "3")
+    assert rc == 0, log
+    started = [
+        ln for ln in log.splitlines() if ln.startswith("[fastdist run]") and "replacement started" in ln
+    ]
+    assert len(started) == 2, log  # the first replacement died in the transfer
+    # Every live rank learned that the hand-over failed, and recovered again with the next one.
+    for r in (0, 2):
+        assert f"rank {r}: recovery 1 failed: " in log and "handing the state to rank 1 failed" in log, log
+    assert "rank 1: joined the running job at step 5" in log, log
+    assert compare(str(reference), str(tmp_path / "transfer"), 3) <= 1e-6
+
+
+def test_a_spare_that_dies_waiting_is_not_promoted(reference: Path, tmp_path: Path) -> None:
+    rc, log = _faults(tmp_path / "deadspare", "spare-dies-waiting", "--nproc-per-node", "4", "--spares", "1")
+    assert rc == 0, log
+    assert "spare (local rank 3" in log and "died while waiting (exit by SIGKILL): not promoted" in log, log
+    assert "goes to a waiting spare" not in log, log
+    assert "rank 1: replacement started" in log, log
+    assert compare(str(reference), str(tmp_path / "deadspare"), 3) <= 1e-6

@@ -11,7 +11,7 @@ import math
 import time
 from typing import Any
 
-from . import _groups, diagnostics
+from . import _groups, diagnostics, joining
 from ._timeouts import current_time
 from .errors import CollectiveTimeoutError, GroupAbortedError
 
@@ -19,6 +19,8 @@ from .errors import CollectiveTimeoutError, GroupAbortedError
 # group's default timeout of minutes, the live ranks that still wait for theirs would otherwise
 # keep this one waiting as long.
 PEER_CLOSED_WAIT = 5.0
+# How long it waits for fastdist run's record of a death (its agent polls every 0.1 s).
+DEATH_WAIT = 0.5
 
 # What gloo says when its own per-call timeout fires, and when a peer closed the group. gloo raises
 # a plain RuntimeError for both (not one of torch's DistError classes), so only its text tells.
@@ -91,13 +93,22 @@ def peer_closed(
     """A peer closed the group under op ``seq``: it timed out first (then this is a timeout too,
     unless this rank only arrived after that: a straggler), or it died. Marks the group dead."""
     _groups.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
+    started_wall = time.time() - (current_time() - start)
+    # Under fastdist run the agent records a death within its monitor interval: a dead rank is
+    # named at once, with how it ended, instead of waited for by the report.
+    dead = joining.deaths_since(started_wall, st.global_ranks or [], DEATH_WAIT)
+    if dead:
+        who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
+        reason = f"{who}; {op} #{seq} failed: {text}"
+        _groups.mark_dead(pg, reason, replace=True)
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     # Ranks still inside the op report when their deadline passes: wait for them until ours.
     left = deadline - current_time() if math.isfinite(deadline) else 0.0
     until = time.monotonic() + max(0.0, min(left, PEER_CLOSED_WAIT))
     rep = diagnostics.report(
         st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, until=until
     )
-    cause, why = diagnostics.peer_closed_verdict(rep, time.time() - (current_time() - start))
+    cause, why = diagnostics.peer_closed_verdict(rep, started_wall)
     if rep is None and diagnostics.store_failure is not None:
         why = diagnostics.store_gone_reason()
     if cause is not None:

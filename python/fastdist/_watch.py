@@ -429,6 +429,8 @@ def reset_fsdp() -> int:
         if not hasattr(m, "reset_iter_state"):  # torch before 2.11: reshard what can be
             m.reshard()
             continue
+        if not _fsdp_ran(m):  # never ran a step (a joiner's new model): nothing to reset
+            continue
         try:
             m.reset_iter_state()
         except FastdistError:
@@ -438,6 +440,16 @@ def reset_fsdp() -> int:
                     group._all_gather_result = None
             m.reset_iter_state()
     return len(roots)
+
+
+def _fsdp_ran(module: Any) -> bool:
+    """Whether the FSDP2 root ran its lazy init (its first forward; torch's FSDPCommContext makes
+    ``all_gather_state`` there): before it, torch's reset_iter_state fails on state that does not
+    exist yet."""
+    try:
+        return hasattr(module._get_fsdp_state()._comm_ctx, "all_gather_state")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _fsdp_is_root(module: Any) -> bool:

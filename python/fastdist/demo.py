@@ -1,4 +1,8 @@
-"""``fastdist demo``: a local DDP training job on gloo in which one rank stalls, and the job
+"""``fastdist demo --kill``: a local DDP job under ``fastdist run`` in which one worker is
+SIGKILLed mid-backward and replaced, the other ranks never restarted; the final model is compared
+with an undisturbed run of the same script (fastdist.examples.train_ddp).
+
+``fastdist demo``: a local DDP training job on gloo in which one rank stalls, and the job
 recovers without restarting.
 
 The parent starts a TCPStore on 127.0.0.1 (a free port) and N rank processes. Each rank trains
@@ -42,10 +46,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="healthy steps before the stall, and after (default 3)"
     )
+    parser.add_argument(
+        "--kill",
+        action="store_true",
+        help="kill a worker mid-step under fastdist run instead (it is replaced), compare with no kill",
+    )
+
+
+def run_kill(args: argparse.Namespace) -> int:
+    """Two launches of the example script under ``fastdist run``: undisturbed, then with rank 1
+    SIGKILLed in its backward at step 5. Prints the second launch's output and the comparison."""
+    import socket
+
+    from .examples.train_ddp import compare
+
+    nproc = max(args.nproc, 2)
+    steps = 20
+    out = tempfile.mkdtemp(prefix="fastdist_demo_")
+
+    def launch(name: str, *script: str, quiet: bool) -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.mkdir(os.path.join(out, name))
+        cmd = [
+            sys.executable,
+            "-m",
+            "fastdist.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+        ]
+        cmd += ["--master-port", str(port), "-m", "fastdist.examples.train_ddp", "--steps", str(steps)]
+        cmd += ["--out", os.path.join(out, name), *script]
+        print("$", " ".join(cmd[1:]), flush=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", LOGLEVEL="ERROR")
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL if quiet else None,
+            stderr=subprocess.STDOUT if quiet else None,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            return proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    print(f"fastdist demo --kill: {nproc} workers, {steps} DDP steps, each in fail_after(3)", flush=True)
+    print("1. an undisturbed run (the reference)", flush=True)
+    if launch("reference", quiet=True) != 0:
+        print("the undisturbed run failed", flush=True)
+        return 1
+    print("2. the same job, rank 1 SIGKILLed in its backward at step 5:", flush=True)
+    rc = launch("killed", "--kill-rank", "1", "--kill-step", "5", quiet=False)
+    diff = compare(os.path.join(out, "reference"), os.path.join(out, "killed"), nproc)
+    print(f"\nlauncher exit code {rc}; largest difference from the undisturbed run, over every rank's")
+    print(f"parameters and SGD momentum: {diff:.2e} ({'equal within 1e-6' if diff <= 1e-6 else 'NOT EQUAL'})")
+    return 0 if rc == 0 and diff <= 1e-6 else 1
 
 
 def run(args: argparse.Namespace) -> int:
     """The parent: starts the store and the ranks, then prints their output and the outcome."""
+    if args.kill:
+        return run_kill(args)
     if args.nproc < 2:
         raise SystemExit("fastdist demo: --nproc must be at least 2")
     if not args.timeout > 0:

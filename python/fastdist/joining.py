@@ -14,8 +14,8 @@ swaps real backends in, and loads the state a live rank sends.
 Spares: with ``spares=K`` the last K processes of a launch hold no rank. A spare waits in
 ``init_process_group``, blocked in a store wait on its own key (``spare/LAUNCH_RANK``: no CPU, no
 polling) until the launcher (``fastdist run``) writes a dead rank's number there, or "end" when
-the job is over (the spare then exits 0). (A key, not a queue: a blocking pop is never woken on
-the store torchrun's agent hosts, measured on torch 2.13.)
+the job is over (the spare then exits 0). A key per spare, not one queue for all: the agent knows
+which spare holds which rank, and a spare that dies waiting takes no rank with it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,6 +52,43 @@ def spare_key(launch_rank: int) -> str:
 def dead_key(rank: int) -> str:
     """The launcher's record of how ``rank``'s process ended."""
     return _keys.key("dead", rank)
+
+
+def deaths_key() -> str:
+    """Every death the launcher saw, one JSON record a line (rank, how, pid, time)."""
+    return _keys.key("deaths")
+
+
+# Set by fastdist run in its workers' environment: a launcher that records deaths in the store.
+LAUNCHER_ENV = "FASTDIST_RUN"
+_DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
+_job_store: Any = None
+
+
+def set_job_store(store: Any) -> None:
+    global _job_store
+    _job_store = store
+
+
+def deaths_since(since: float, ranks: list[int], wait: float) -> dict[int, str]:
+    """How each of ``ranks`` that died at or after ``since`` (a time.time()) ended, as
+    ``fastdist run``'s agent recorded it ("exit by SIGKILL"), waiting up to ``wait`` seconds for
+    a record (the agent sees a death within its monitor interval, 0.1 s by default). Empty
+    without such a launcher."""
+    store = _job_store
+    if store is None or os.environ.get(LAUNCHER_ENV) != "1":
+        return {}
+    end = time.monotonic() + wait
+    while True:
+        found: dict[int, str] = {}
+        if store.check([deaths_key()]):
+            for line in bytes(store.get(deaths_key())).decode(errors="replace").splitlines():
+                rec: Any = _keys.parse_record(line, _DEATH_FIELDS)
+                if rec is not None and rec["rank"] in ranks and rec["time"] >= since - 1.0:
+                    found[rec["rank"]] = rec["how"]
+        if found or time.monotonic() >= end:
+            return found
+        time.sleep(0.02)
 
 
 def job_running(store: Any) -> bool:

@@ -190,6 +190,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         rank = self._serves.pop(lr)
         record = {"rank": rank, "how": how, "pid": failure.pid, "time": time.time()}
         store.set(joining.dead_key(rank), json.dumps(record))
+        store.append(joining.deaths_key(), json.dumps(record) + "\n")
         self._say(f"rank {rank} (local rank {lr}, pid {failure.pid}) died: {how}")
         if self._idle_spares:
             spare = min(self._idle_spares)
@@ -245,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if nnodes not in ("1", "1:1"):
         raise SystemExit("fastdist run: one node only for now (--nnodes 1); see the README")
     os.environ["FASTDIST_SPARES"] = str(args.spares)
+    os.environ[joining.LAUNCHER_ENV] = "1"  # the workers' errors may read the deaths recorded
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

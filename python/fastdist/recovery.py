@@ -35,6 +35,7 @@ from ._timeouts import (
     TimeoutLike,
     current_time,
     effective_deadline,
+    fail_at,
     get_default_timeout,
     validate_seconds,
 )
@@ -197,6 +198,7 @@ def init_process_group(
             **kwargs,
         )
     _lineage["job_store"] = job_store
+    joining.set_job_store(job_store)
     _lineage["started"] = True
     _lineage.update(
         backend=dist.get_backend(),
@@ -485,9 +487,9 @@ def _hand_over(
     sharded = state_sync.sharded_entries(state) if state is not None else []
     if sharded:
         raise fail(
-            f"{names} joined in a dead rank's place, but {', '.join(map(repr, sharded))} hold sharded "
-            "tensors (FSDP2/DTensor): the dead rank's shards are on no live rank. Restart the job from a "
-            "checkpoint"
+            f"{names} joined in a dead rank's place, but the state entries {', '.join(map(repr, sharded))} "
+            "hold sharded tensors (FSDP2/DTensor): the dead rank's shards are on no live rank. Restart the "
+            "job from a checkpoint"
         )
     source = joining.source_of(st.size, joiners)
     try:
@@ -497,6 +499,10 @@ def _hand_over(
             received = None
             if me == source:
                 state_sync.send(state, joiners, pg, deadline)
+        # Every member learns whether the hand-over worked (a joiner that died mid-transfer fails
+        # the source's send, and this barrier everywhere else).
+        with fail_at(deadline):
+            dist.barrier(group=pg)
     except FastdistError as exc:
         raise fail(f"handing the state to {names} failed: {exc}") from None
     if state is None:

@@ -40,6 +40,22 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(16, 8, generator=g)
 
 
+def recover(rank: int, state: dict[str, Any], tries: int = 3) -> None:
+    """``fastdist.recover``, tried again when the recovery itself fails (a replacement that died
+    while it was being brought up to date: the launcher starts another)."""
+    for attempt in range(1, tries + 1):
+        t0 = time.monotonic()
+        try:
+            fastdist.recover(timeout=60, state=state)
+        except fastdist.RecoveryError as err:
+            print(f"rank {rank}: recovery {attempt} failed: {err}", flush=True)
+            if attempt == tries:
+                raise
+            continue
+        print(f"rank {rank}: recovered in {time.monotonic() - t0:.2f} s", flush=True)
+        return
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
@@ -80,9 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             progress.step += 1
         except fastdist.FastdistError as err:
             print(f"rank {rank}: step {progress.step} failed: {err}", flush=True)
-            t0 = time.monotonic()
-            fastdist.recover(timeout=60, state=state)
-            print(f"rank {rank}: recovered in {time.monotonic() - t0:.2f} s", flush=True)
+            recover(rank, state)
 
     if args.out:
         torch.save(

@@ -1,0 +1,42 @@
+"""The example DDP script (fastdist.examples.train_ddp) with faults in the fault, for
+tests/test_replace.py:
+
+- ``FAULT=joiner-mid-transfer``: the first replacement SIGKILLs itself after the state's header
+  arrived, before the tensors (a marker file keeps the next one alive);
+- ``FAULT=spare-dies-waiting``: the spare SIGKILLs itself 1 s after its start, while it waits for
+  a rank in init_process_group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import torch.distributed as dist
+from fastdist.examples import train_ddp
+
+fault = os.environ.get("FAULT", "")
+out = sys.argv[sys.argv.index("--out") + 1]
+
+if fault == "joiner-mid-transfer":
+    marker = os.path.join(out, ".joiner-killed")
+    original_recv = dist.recv
+    calls = [0]
+
+    def recv(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 3 and not os.path.exists(marker):  # 1: size, 2: header, 3: the tensors
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_recv(*args, **kwargs)  # type: ignore[arg-type]
+
+    dist.recv = recv  # type: ignore[assignment]
+
+if fault == "spare-dies-waiting":
+    spares = int(os.environ.get("FASTDIST_SPARES", "0"))
+    if int(os.environ["RANK"]) >= int(os.environ["WORLD_SIZE"]) - spares:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+train_ddp.main()
