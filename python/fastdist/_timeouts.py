@@ -13,6 +13,7 @@ import atexit
 import contextvars
 import datetime
 import math
+import numbers
 import os
 import threading
 import time
@@ -86,16 +87,32 @@ def _check_seconds(value: float, name: str) -> float:
     return float(value)
 
 
+def is_real(value: object) -> bool:
+    """Any real number (numpy's too), not a bool."""
+    kind = type(value)
+    if kind is float or kind is int:
+        return True
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_float(value: Any) -> float:
+    """``float(value)``; an integer too large for a float is infinitely far (no deadline)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def validate_seconds(value: object, name: str = "timeout", *, deadline_objects: bool = False) -> float:
-    """A relative timeout in seconds (number or timedelta, ``math.inf`` allowed), or an error
-    naming the argument and the value."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, datetime.timedelta)):
+    """A relative timeout in seconds (any real number or a timedelta, ``math.inf`` allowed), or an
+    error naming the argument and the value."""
+    if isinstance(value, datetime.timedelta):
+        return _check_seconds(value.total_seconds(), name)
+    if not is_real(value):
         kinds = "a number of seconds, a datetime.timedelta, math.inf"
         kinds += ", a RendezvousTimeout or an open fail_after/fail_at scope" if deadline_objects else ""
         raise TypeError(f"{name} must be {kinds}; got {type(value).__name__}: {value!r}")
-    if isinstance(value, datetime.timedelta):
-        return _check_seconds(value.total_seconds(), name)
-    return _check_seconds(float(value), name)
+    return _check_seconds(_as_float(value), name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,9 +178,10 @@ class _Scope(DeadlineScope):
     """An open fail_after / fail_at scope: a context manager that is its own DeadlineScope. A class
     rather than a generator: entering and leaving it is on every training step's path."""
 
-    __slots__ = ("_reset", "_since")
+    __slots__ = ("_reset", "_since", "_thread")
 
     def __enter__(self) -> DeadlineScope:
+        self._thread = _get_ident()
         outer = _scope_deadline.get()
         self.deadline = min(self.deadline, outer)
         self._reset = _scope_deadline.set(self.deadline)
@@ -180,6 +198,13 @@ class _Scope(DeadlineScope):
         exc: BaseException | None,
         tb: types.TracebackType | None,
     ) -> None:
+        if _get_ident() != self._thread:
+            # The scope lives in the entering thread's context and scope stack: leaving it from
+            # here would pop another thread's scope. Refused; it stays open where it was entered.
+            raise RuntimeError(
+                f"a fail_after/fail_at scope must be left on the thread that entered it (entered on "
+                f"thread {self._thread}, left on thread {_get_ident()}); it is still open there"
+            )
         _pop_scope()
         _scope_deadline.reset(self._reset)
         if (
@@ -195,6 +220,7 @@ class _Scope(DeadlineScope):
                 raise typed from exc
 
 
+_get_ident = threading.get_ident
 _push_scope = _watched.push_scope
 _pop_scope = _watched.pop_scope
 _monotonic_wall = time.monotonic
@@ -210,14 +236,14 @@ def fail_at(deadline: float) -> _Scope:
     The scope bounds collectives only: it does not interrupt other code, and leaving it raises
     nothing by itself.
     """
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+    if not is_real(deadline):
         raise TypeError(
             "deadline must be a number (seconds on fastdist.current_time()), got "
             f"{type(deadline).__name__}: {deadline!r}"
         )
     if math.isnan(deadline):
         raise ValueError(f"deadline must not be NaN, got {deadline!r}")
-    return _Scope(float(deadline))
+    return _Scope(_as_float(deadline))
 
 
 def fail_after(seconds: float | datetime.timedelta) -> _Scope:
@@ -234,7 +260,7 @@ def fail_after(seconds: float | datetime.timedelta) -> _Scope:
     kind = type(seconds)
     # (NaN > 0 is False: a NaN goes to validate_seconds, which names it.)
     if (kind is float or kind is int) and seconds > 0:  # type: ignore[operator]
-        return _Relative(float(seconds))  # type: ignore[arg-type]
+        return _Relative(_as_float(seconds))
     return _Relative(validate_seconds(seconds, "seconds"))
 
 

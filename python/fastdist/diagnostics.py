@@ -56,7 +56,7 @@ def store_gone_reason() -> str:
     where = f" at {store_location}" if store_location else ""
     return (
         f"the job's store{where} cannot be reached ({store_failure or 'connection lost'}): its host exited "
-        "or was killed, and reports and recovery go through it; restart the job"
+        "or was killed, and reports and recovery go through it"
     )
 
 

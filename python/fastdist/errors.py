@@ -213,6 +213,15 @@ class RpcTimeoutError(FastdistError, TimeoutError):
         )
 
 
+# The same causes when the job's store is etcd (etcd://HOST:PORT/JOB): no MASTER_ADDR, no rank 0.
+_ETCD_ADVICE = {
+    "unresolvable_address": "an etcd endpoint's name does not resolve: check the etcd:// URL, and DNS here",
+    "refused": "nothing (or no healthy etcd) answers there: is the etcd cluster up, on the URL's ports?",
+    "unreachable": (
+        "no answer from etcd at all: a firewall or a wrong network; check each endpoint is reachable "
+        "from here (nc -vz HOST PORT)"
+    ),
+}
 _CONNECT_ADVICE = {
     "unresolvable_address": (
         "the name does not resolve: check MASTER_ADDR for typos, and DNS or /etc/hosts on this machine"
@@ -256,7 +265,8 @@ class RendezvousConnectionError(FastdistError, ConnectionError):
         )
         if self.detail:
             text += f": {self.detail}"
-        advice = _CONNECT_ADVICE.get(self.cause)
+        etcd = (self.detail or "").startswith("etcd endpoints:")
+        advice = (_ETCD_ADVICE if etcd else _CONNECT_ADVICE).get(self.cause)
         return f"{text}. {advice[0].upper() + advice[1:]}." if advice else text
 
 
@@ -318,6 +328,14 @@ class RecoveryError(FastdistError):
         return text
 
 
+def _next_step(reason: str) -> str:
+    """What a rank whose group is aborted should do: recover, unless the job's store is gone
+    (then nothing in the job can agree on anything)."""
+    if "the job's store" in reason and "cannot be reached" in reason:
+        return "restart the job (recovery needs the store)"
+    return "call fastdist.recover() on every live rank"
+
+
 class GroupAbortedError(FastdistError):
     """A call on a process group that is no longer usable.
 
@@ -339,5 +357,5 @@ class GroupAbortedError(FastdistError):
     def _message(self) -> str:
         return (
             f"{self.op} on group {self.group!r} on rank {self.rank}: the group is aborted "
-            f"({self.reason}); call fastdist.recover() on every live rank"
+            f"({self.reason}); {_next_step(self.reason)}"
         )
