@@ -93,7 +93,7 @@ def init_process_group(
     """
     from . import rendezvous as rdzv_mod
 
-    td = None if timeout is None else datetime.timedelta(seconds=validate_seconds(timeout, "timeout"))
+    td = None if timeout is None else _group_timedelta(validate_seconds(timeout, "timeout"))
     connect = 60.0 if connect_timeout is None else validate_seconds(connect_timeout, "connect_timeout")
     rdzv = rendezvous_timeout
     if rdzv is not None and not isinstance(rdzv, RendezvousTimeout):
@@ -101,6 +101,12 @@ def init_process_group(
     for name, value in (("rank", rank), ("world_size", world_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "fastdist.init_process_group: this process's default group is already initialized (rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}); after a fault call fastdist.recover(), "
+            "or destroy the group first (torch.distributed.destroy_process_group())"
+        )
     n_spares = joining.spares_arg(spares)
     configure_nccl_error_handling(backend)
     _lineage["reconnect"] = None
@@ -218,6 +224,15 @@ def init_process_group(
     if job_store is not None:
         joining.mark_running(job_store)
     _bell.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
+
+
+# The longest timeout handed to torch (its TCPStore and backends count in nanoseconds somewhere:
+# 10**6 days failed to connect at once). Anything longer, math.inf included, means no deadline.
+MAX_TIMEOUT = datetime.timedelta(days=3650)
+
+
+def _group_timedelta(seconds: float) -> datetime.timedelta:
+    return MAX_TIMEOUT if seconds >= MAX_TIMEOUT.total_seconds() else datetime.timedelta(seconds=seconds)
 
 
 def _job_store(store: Any) -> Any | None:
@@ -494,7 +509,7 @@ def _hand_over(
     source = joining.source_of(st.size, joiners)
     try:
         if me in joiners:
-            received = state_sync.receive(source, pg, deadline)
+            received = state_sync.receive(source, pg, deadline, into=state)
         else:
             received = None
             if me == source:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,25 +22,40 @@ import torch.distributed as dist
 
 from ._timeouts import fail_at
 
-# A chunk of the byte stream: large enough that per-op costs vanish, small enough that a joiner
-# that dies mid-transfer is noticed within one chunk's time.
+# A chunk on the wire: large enough that per-op costs vanish, small enough that a joiner that
+# dies mid-transfer is noticed within one chunk's time.
 CHUNK_BYTES = 64 << 20
+# Tensors up to this size are packed into one buffer (one op for many); larger ones go as they are,
+# without a copy, into the joiner's own tensor where it has one of that shape.
+PACK_BYTES = 1 << 20
 _ALIGN = 16
 
 
 class _Slot:
-    """Where a tensor stood in a state_dict: its place in the byte buffer."""
+    """Where a tensor of a state_dict travels: ``offset`` in the packed buffer, or the ``direct``
+    tensor's index (-1: packed)."""
 
-    __slots__ = ("dtype", "nbytes", "offset", "shape")
+    __slots__ = ("direct", "dtype", "nbytes", "offset", "shape")
 
-    def __init__(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.offset, self.nbytes, self.dtype, self.shape = offset, nbytes, dtype, shape
+    def __init__(
+        self, offset: int, direct: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> None:
+        self.offset, self.direct, self.nbytes, self.dtype, self.shape = offset, direct, nbytes, dtype, shape
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return (self.offset, self.nbytes, self.dtype, self.shape)
+        return (self.offset, self.direct, self.nbytes, self.dtype, self.shape)
 
     def __setstate__(self, s: tuple[Any, ...]) -> None:
-        self.offset, self.nbytes, self.dtype, self.shape = s
+        self.offset, self.direct, self.nbytes, self.dtype, self.shape = s
+
+
+class _Packing:
+    """What _pack collects: the packed tensors with their offsets, the direct ones."""
+
+    def __init__(self) -> None:
+        self.packed: list[tuple[int, torch.Tensor]] = []
+        self.direct: list[torch.Tensor] = []
+        self.size = 0
 
 
 def check_state(state: Any, name: str = "state") -> dict[str, Any]:
@@ -64,10 +80,10 @@ def check_state(state: Any, name: str = "state") -> dict[str, Any]:
 def sharded_entries(state: Mapping[str, Any]) -> list[str]:
     """The keys of ``state`` whose state_dict holds a DTensor (FSDP2's shards, or state derived
     from them): a rank's part of those lives only on that rank."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
+    tensor_module = sys.modules.get("torch.distributed.tensor")
+    if tensor_module is None:  # never imported: no DTensor exists (and importing it costs 0.1 s)
         return []
+    DTensor = tensor_module.DTensor
     out = []
     for key, obj in state.items():
         tensors: list[torch.Tensor] = []
@@ -88,21 +104,24 @@ def _walk(value: Any, visit: Any) -> None:
             _walk(v, visit)
 
 
-def _pack(value: Any, tensors: list[torch.Tensor], offset: list[int]) -> Any:
-    """``value`` with every tensor replaced by its _Slot; the tensors appended to ``tensors``."""
+def _pack(value: Any, into: _Packing) -> Any:
+    """``value`` with every tensor replaced by its _Slot, the tensor recorded in ``into``."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
         nbytes = t.numel() * t.element_size()
-        slot = _Slot(offset[0], nbytes, t.dtype, tuple(t.shape))
-        offset[0] += -(-nbytes // _ALIGN) * _ALIGN
-        tensors.append(t)
+        if nbytes > PACK_BYTES:
+            into.direct.append(t.contiguous())
+            return _Slot(-1, len(into.direct) - 1, nbytes, t.dtype, tuple(t.shape))
+        slot = _Slot(into.size, -1, nbytes, t.dtype, tuple(t.shape))
+        into.packed.append((into.size, t))
+        into.size += -(-nbytes // _ALIGN) * _ALIGN
         return slot
     if isinstance(value, Mapping):
-        return _like(value, ((k, _pack(v, tensors, offset)) for k, v in value.items()))
+        return _like(value, ((k, _pack(v, into)) for k, v in value.items()))
     if isinstance(value, list):
-        return [_pack(v, tensors, offset) for v in value]
+        return [_pack(v, into) for v in value]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_pack(v, tensors, offset) for v in value)
+        return tuple(_pack(v, into) for v in value)
     return value
 
 
@@ -118,21 +137,62 @@ def _like(original: Mapping[str, Any], items: Any) -> Any:
     return out
 
 
-def _unpack(value: Any, buf: torch.Tensor) -> Any:
+def _targets(skeleton: Any, own: Any, out: dict[int, torch.Tensor]) -> None:
+    """For each direct slot of ``skeleton``, the joiner's own tensor at the same place in its
+    state_dict when it has the slot's shape and dtype and is contiguous: received into, it is
+    loaded without a copy (load_state_dict's copy onto itself is a no-op)."""
+    if isinstance(skeleton, _Slot):
+        if (
+            skeleton.direct >= 0
+            and isinstance(own, torch.Tensor)
+            and tuple(own.shape) == skeleton.shape
+            and own.dtype == skeleton.dtype
+            and own.is_contiguous()
+        ):
+            out[skeleton.direct] = own.detach()
+    elif isinstance(skeleton, Mapping) and isinstance(own, Mapping):
+        for k, v in skeleton.items():
+            if k in own:
+                _targets(v, own[k], out)
+    elif isinstance(skeleton, (list, tuple)) and isinstance(own, (list, tuple)) and len(own) == len(skeleton):
+        for v, o in zip(skeleton, own):
+            _targets(v, o, out)
+
+
+def _direct_slots(value: Any, out: list[_Slot]) -> None:
     if isinstance(value, _Slot):
-        raw = buf.narrow(0, value.offset, value.nbytes)
-        return (
-            raw.view(value.dtype).view(value.shape).clone()
-            if value.nbytes
-            else torch.empty(value.shape, dtype=value.dtype, device=buf.device)
-        )
+        if value.direct >= 0:
+            out.append(value)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _direct_slots(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _direct_slots(v, out)
+
+
+def _unpack(value: Any, buf: torch.Tensor, direct: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, _Slot):
+        if value.direct >= 0:
+            return direct[value.direct]
+        if not value.nbytes:
+            return torch.empty(value.shape, dtype=value.dtype, device=buf.device)
+        return buf.narrow(0, value.offset, value.nbytes).view(value.dtype).view(value.shape)
     if isinstance(value, Mapping):
-        return _like(value, ((k, _unpack(v, buf)) for k, v in value.items()))
+        return _like(value, ((k, _unpack(v, buf, direct)) for k, v in value.items()))
     if isinstance(value, list):
-        return [_unpack(v, buf) for v in value]
+        return [_unpack(v, buf, direct) for v in value]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_unpack(v, buf) for v in value)
+        return tuple(_unpack(v, buf, direct) for v in value)
     return value
+
+
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` (contiguous) as flat byte views of at most CHUNK_BYTES."""
+    flat = t.view(-1).view(torch.uint8) if t.numel() else t.view(-1)
+    return [
+        flat.narrow(0, i, min(CHUNK_BYTES, flat.numel() - i)) for i in range(0, flat.numel(), CHUNK_BYTES)
+    ]
 
 
 def _device_of(group: Any) -> torch.device:
@@ -147,29 +207,30 @@ def send(state: Mapping[str, Any] | None, joiners: list[int], group: Any, deadli
     """Sends ``state`` (or word that there is none) to each of ``joiners`` (global ranks); every
     op bounded by ``deadline``. Returns the bytes sent to each."""
     device = _device_of(group)
-    tensors: list[torch.Tensor] = []
-    total = [0]
-    skeleton = None if state is None else {k: _pack(v.state_dict(), tensors, total) for k, v in state.items()}
-    header = pickle.dumps((skeleton, total[0]), protocol=pickle.HIGHEST_PROTOCOL)
-    buf = torch.zeros(total[0], dtype=torch.uint8, device=device)
-    off = 0
-    for t in tensors:
+    packing = _Packing()
+    skeleton = None if state is None else {k: _pack(v.state_dict(), packing) for k, v in state.items()}
+    header = pickle.dumps((skeleton, packing.size), protocol=pickle.HIGHEST_PROTOCOL)
+    buf = torch.zeros(packing.size, dtype=torch.uint8, device=device)
+    for off, t in packing.packed:
         n = t.numel() * t.element_size()
         if n:
             buf.narrow(0, off, n).copy_(t.reshape(-1).view(torch.uint8))
-        off += -(-n // _ALIGN) * _ALIGN
     meta = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     with fail_at(deadline):
         for j in joiners:
             dist.send(torch.tensor([meta.numel()], dtype=torch.int64, device=device), j, group=group)
             dist.send(meta, j, group=group)
-            for start in range(0, total[0], CHUNK_BYTES):
-                dist.send(buf.narrow(0, start, min(CHUNK_BYTES, total[0] - start)), j, group=group)
-    return total[0]
+            for t in (buf, *packing.direct):
+                for chunk in _chunks(t):
+                    dist.send(chunk, j, group=group)
+    return packing.size + sum(t.numel() * t.element_size() for t in packing.direct)
 
 
-def receive(source: int, group: Any, deadline: float) -> dict[str, Any] | None:
-    """The state dicts sent by ``source`` (None: the sender had no state to give)."""
+def receive(
+    source: int, group: Any, deadline: float, into: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The state dicts sent by ``source`` (None: the sender had no state to give). Large tensors
+    land in ``into``'s own (a dict of Statefuls) where they match, else in new ones."""
     device = _device_of(group)
     with fail_at(deadline):
         size = torch.zeros(1, dtype=torch.int64, device=device)
@@ -177,9 +238,20 @@ def receive(source: int, group: Any, deadline: float) -> dict[str, Any] | None:
         meta = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         dist.recv(meta, source, group=group)
         skeleton, total = pickle.load(io.BytesIO(meta.cpu().numpy().tobytes()))
+        slots: list[_Slot] = []
+        _direct_slots(skeleton, slots)
+        own: dict[int, torch.Tensor] = {}
+        if skeleton is not None and into is not None:
+            for key, obj in into.items():
+                if key in skeleton:
+                    _targets(skeleton[key], obj.state_dict(), own)
+        direct = {
+            s.direct: own.get(s.direct, torch.empty(s.shape, dtype=s.dtype, device=device)) for s in slots
+        }
         buf = torch.empty(total, dtype=torch.uint8, device=device)
-        for start in range(0, total, CHUNK_BYTES):
-            dist.recv(buf.narrow(0, start, min(CHUNK_BYTES, total - start)), source, group=group)
+        for t in (buf, *(direct[s.direct] for s in sorted(slots, key=lambda s: s.direct))):
+            for chunk in _chunks(t):
+                dist.recv(chunk, source, group=group)
     if skeleton is None:
         return None
-    return {k: _unpack(v, buf) for k, v in skeleton.items()}
+    return {k: _unpack(v, buf, direct) for k, v in skeleton.items()}

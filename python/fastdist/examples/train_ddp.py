@@ -5,12 +5,17 @@ process, first start or replacement.
 
 ``--kill-rank R --kill-step S`` makes rank R SIGKILL itself in its backward at step S, once (a
 marker file keeps its replacement alive), to show a dead worker replaced. ``--out DIR`` writes
-each rank's final parameters and optimizer state (``rank{R}.pt``) for comparing runs.
+each rank's final parameters and optimizer state (``rank{R}.pt``) for comparing runs, and
+``--events FILE`` one JSON line per step, kill and join (bench/test_replace.py reads them).
+``--checkpoint-dir DIR`` is the restart-based alternative the benchmark compares with: a
+torch.distributed.checkpoint save after every step, loaded at start (plain torchrun with
+``--max-restarts``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -40,6 +45,51 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(16, 8, generator=g)
 
 
+class Events:
+    """``--events FILE``: one JSON line per event, appended (every rank and process shares it)."""
+
+    def __init__(self, path: str | None, rank: int) -> None:
+        self.path, self.rank = path, rank
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"event": event, "rank": self.rank, "time": time.time(), **fields}) + "\n")
+
+
+class Checkpoint:
+    """``--checkpoint-dir``: the job's state saved with torch.distributed.checkpoint after every
+    step and loaded at start, the way a job restarted by torchrun picks up."""
+
+    def __init__(self, path: str, model: Any, opt: Any, progress: Progress) -> None:
+        self.path, self.model, self.opt, self.progress = path, model, opt, progress
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        return {"model": msd, "optim": osd, "step": self.progress.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.progress.step = sd["step"]
+
+    def save(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"app": self}, storage_writer=dcp.FileSystemWriter(self.path, overwrite=True))
+
+    def load(self) -> bool:
+        import torch.distributed.checkpoint as dcp
+
+        if not os.path.exists(os.path.join(self.path, ".metadata")):
+            return False
+        dcp.load({"app": self}, checkpoint_id=self.path)
+        return True
+
+
 def recover(rank: int, state: dict[str, Any], tries: int = 3) -> None:
     """``fastdist.recover``, tried again when the recovery itself fails (a replacement that died
     while it was being brought up to date: the launcher starts another)."""
@@ -63,18 +113,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--out", default=None)
+    p.add_argument("--events", default=None)
+    p.add_argument("--checkpoint-dir", default=None)
     args = p.parse_args(argv)
 
     fastdist.init_process_group("gloo")  # env:// from the launcher; a joiner returns at once
     rank = fastdist.get_rank()
+    Events(args.events, rank)("started")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     progress = Progress()
     state = {"model": model, "optim": opt, "progress": progress}
+    events = Events(args.events, rank)
+    resumed = False
     if fastdist.sync_state(state):  # False on a first start; a joiner loads the live ranks' state
         print(f"rank {rank}: joined the running job at step {progress.step}", flush=True)
+        events("joined", step=progress.step)
+        resumed = True
+    checkpoint = Checkpoint(args.checkpoint_dir, model, opt, progress) if args.checkpoint_dir else None
+    if checkpoint is not None and checkpoint.load():
+        print(f"rank {rank}: restarted from the checkpoint of step {progress.step}", flush=True)
+        resumed = True
 
     marker = os.path.join(args.out or "/tmp", f".killed-{os.environ.get('TORCHELASTIC_RUN_ID', 'x')}")
     if rank == args.kill_rank and not os.path.exists(marker):
@@ -82,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         def die(grad: torch.Tensor) -> torch.Tensor:
             if progress.step == args.kill_step:
                 open(marker, "w").close()
+                events("kill", step=progress.step)
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-backward, as an OOM kill would
             return grad
 
@@ -89,14 +151,22 @@ def main(argv: list[str] | None = None) -> None:
 
     while progress.step < args.steps:
         try:
+            t0 = time.time()
             with fastdist.fail_after(args.step_timeout):
                 opt.zero_grad()
                 model(batch(progress.step, rank)).pow(2).mean().backward()
                 opt.step()
             progress.step += 1
+            events("step", step=progress.step, seconds=time.time() - t0, resumed=resumed)
+            resumed = False
+            if checkpoint is not None:
+                checkpoint.save()
         except fastdist.FastdistError as err:
             print(f"rank {rank}: step {progress.step} failed: {err}", flush=True)
+            events("failed", step=progress.step)
             recover(rank, state)
+            events("recovered", step=progress.step)
+            resumed = True
 
     if args.out:
         torch.save(
