@@ -573,3 +573,31 @@ def bench_propagation(ctx) -> None:
                 ctx.store.set(f"go_{i}", "1")
         fastdist.recover(timeout=30)
         fastdist.barrier(timeout=30)
+
+
+def recover_from_two_threads(ctx) -> None:
+    """2 ranks, 20 rounds: on every rank two threads call fastdist.recover() at once on the
+    healthy default group; both return the group (one recovered it, the other shared its
+    outcome), and a barrier and an all_reduce on it then work."""
+    ctx.init()
+    outcomes = []
+    for _ in range(20):
+        fastdist.barrier(timeout=20)
+        got: dict[str, str] = {}
+
+        def call(name: str, got: dict[str, str] = got) -> None:
+            try:
+                pg = fastdist.recover(timeout=20)
+                got[name] = "ok" if pg is dist.distributed_c10d._get_default_group() else "other group"
+            except (RuntimeError, ValueError) as e:  # recorded, so the test shows what it was
+                got[name] = f"{type(e).__name__}: {e}"
+
+        threads = [threading.Thread(target=call, args=(n,)) for n in ("a", "b")]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        t = torch.ones(1)
+        fastdist.all_reduce(t, timeout=20)
+        outcomes.append({**got, "sum": t.item()})
+    ctx.record("two_threads_recover", outcomes=outcomes)

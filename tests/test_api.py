@@ -479,3 +479,103 @@ def test_straggler_hint_names_a_rank_only_when_it_is_clearly_last_in_most_ops() 
     assert hint is not None and "in 6 of the last 6" in hint, hint
     # Not a record at all (what a stranger wrote into the store): no hint, no crash.
     assert straggler({0: "junk", 1: None, 2: [[1]]}) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# API edges from the reliability sweep (issue 25, item 7) and the words of its item 8.
+
+
+def test_any_real_number_is_a_timeout_and_huge_ones_mean_no_deadline() -> None:
+    import numpy
+    from fastdist._timeouts import validate_seconds
+
+    assert validate_seconds(numpy.int64(2)) == 2.0
+    assert validate_seconds(numpy.float32(0.5)) == 0.5
+    assert validate_seconds(10**400) == math.inf
+    with pytest.raises(ValueError, match=r"timeout must be positive"):
+        validate_seconds(-(10**400))
+    with pytest.raises(TypeError, match=r"timeout must be a number of seconds"):
+        validate_seconds(True)
+    with fastdist.fail_after(numpy.int64(5)) as scope:
+        assert 0 < scope.remaining() <= 5
+    with fastdist.fail_after(10**400) as scope:
+        assert scope.remaining() == math.inf
+    with fastdist.fail_at(10**400) as scope:
+        assert scope.remaining() == math.inf
+
+
+def test_a_scope_left_from_another_thread_is_refused_and_stays_open_where_entered() -> None:
+    import threading
+
+    scope = fastdist.fail_after(30)
+    scope.__enter__()
+    errors: list[BaseException] = []
+
+    def leave() -> None:
+        try:
+            scope.__exit__(None, None, None)
+        except RuntimeError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=leave)
+    th.start()
+    th.join(5)
+    assert len(errors) == 1 and "must be left on the thread that entered it" in str(errors[0])
+    # Still open here, as it was: an inner scope nests under it, and it leaves cleanly.
+    with fastdist.fail_after(60) as inner:
+        assert inner.remaining() <= 30
+    scope.__exit__(None, None, None)
+    with fastdist.fail_after(60) as after:
+        assert after.remaining() > 30
+
+
+def test_errors_say_one_right_next_step() -> None:
+    gone = GroupAbortedError(
+        op="barrier",
+        group="default",
+        rank=1,
+        reason="the job's store at 127.0.0.1:29500 (in rank 0) cannot be reached (connection lost): its host "
+        "exited or was killed, and reports and recovery go through it",
+    )
+    assert str(gone).endswith("restart the job (recovery needs the store)")
+    assert "recover()" not in str(gone)
+    peer = GroupAbortedError(op="barrier", group="default", rank=1, reason="rank 2 is dead (exit by SIGKILL)")
+    assert str(peer).endswith("call fastdist.recover() on every live rank")
+    etcd = fastdist.RendezvousConnectionError(
+        cause="refused",
+        address="10.0.0.9",
+        port=2379,
+        attempts=3,
+        elapsed=1.5,
+        detail="etcd endpoints: 10.0.0.9:2379 refused (after 0.001 s)",
+    )
+    assert (
+        "etcd" in str(etcd).split(")", 1)[1] and "MASTER_ADDR" not in str(etcd) and "rank 0" not in str(etcd)
+    )
+
+
+def test_init_twice_and_a_timeout_of_a_million_days(tmp_path: Any) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import datetime, fastdist\n"
+        "fastdist.init_process_group('gloo', timeout=datetime.timedelta(days=10**6))\n"
+        "fastdist.barrier(timeout=10)\n"
+        "try:\n"
+        "    fastdist.init_process_group('gloo')\n"
+        "except RuntimeError as e:\n"
+        "    print('second:', e)\n"
+    )
+    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.update(RANK="0", WORLD_SIZE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "second: fastdist.init_process_group: this process's default group is already initialized" in (
+        proc.stdout
+    ), proc.stdout + proc.stderr[-2000:]
+    assert "port_in_use" not in proc.stdout + proc.stderr

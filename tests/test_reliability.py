@@ -126,3 +126,13 @@ def test_a_forked_child_exits_promptly() -> None:
     assert all(r.returncode == 0 for r in results), info
     child = results[0].record("child")
     assert child["status"] == 0 and child["seconds"] < 3.0, info
+
+
+def test_recover_called_from_two_threads_at_once_is_shared_never_a_crash() -> None:
+    results = run_ranks("recover_from_two_threads", 2, timeout=100)
+    info = describe(results)
+    assert all(r.returncode == 0 for r in results), info
+    for r in results:
+        outcomes = r.record("two_threads_recover")["outcomes"]
+        assert len(outcomes) == 20, info
+        assert all(o == {"a": "ok", "b": "ok", "sum": 2.0} for o in outcomes), outcomes

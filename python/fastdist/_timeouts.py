@@ -241,9 +241,10 @@ def fail_at(deadline: float) -> _Scope:
             "deadline must be a number (seconds on fastdist.current_time()), got "
             f"{type(deadline).__name__}: {deadline!r}"
         )
-    if math.isnan(deadline):
+    value = _as_float(deadline)
+    if math.isnan(value):
         raise ValueError(f"deadline must not be NaN, got {deadline!r}")
-    return _Scope(_as_float(deadline))
+    return _Scope(value)
 
 
 def fail_after(seconds: float | datetime.timedelta) -> _Scope:

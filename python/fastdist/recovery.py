@@ -391,6 +391,74 @@ def recover(
     pg = _groups.resolve(group)
     if pg is None:
         raise ValueError("this process is not a member of the group it asked to recover")
+    return _one_at_a_time(pg, deadline, lambda: _recover(pg, start, deadline, allow_shrink, state))
+
+
+class _Turns:
+    """Recoveries of one group in one process, one at a time: a thread that calls recover() while
+    another thread's recovery of the group runs waits for it and shares its outcome (its group,
+    or its error), rather than join the agreement a second time as the same rank."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.running = False
+        self.finished = 0
+        self.waiting = 0
+        # Kept only while a thread waits for it: an error holds its frames, and they the groups.
+        self.outcome: tuple[Any, BaseException | None] = (None, None)
+
+
+_turns: dict[int, _Turns] = {}
+_turns_lock = threading.Lock()
+
+
+def _one_at_a_time(pg: Any, deadline: float, attempt: Any) -> Any:
+    with _turns_lock:
+        turns = _turns.setdefault(id(pg), _Turns())
+    with turns.cond:
+        if turns.running:
+            seen = turns.finished
+            turns.waiting += 1
+            try:
+                ok = turns.cond.wait_for(
+                    lambda: turns.finished > seen, timeout=max(0.0, min(deadline - current_time(), 1e6))
+                )
+                result, error = turns.outcome
+            finally:
+                turns.waiting -= 1
+                if turns.waiting == 0:
+                    turns.outcome = (None, None)
+            if not ok:
+                st = _groups.state_of(pg)
+                raise RecoveryError(
+                    group=st.name,
+                    rank=st.my_global_rank,
+                    generation=st.generation + 1,
+                    missing_ranks=None,
+                    reason="another thread of this rank is recovering the group, and it did not finish "
+                    "within this call's timeout",
+                )
+            if error is not None:
+                raise error
+            return result
+        turns.running = True
+    result, error = None, None
+    try:
+        result = attempt()
+        return result
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        with turns.cond:
+            turns.running = False
+            turns.finished += 1
+            if turns.waiting:
+                turns.outcome = (result, error)
+            turns.cond.notify_all()
+
+
+def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: dict[str, Any] | None) -> Any:
     st = _groups.state_of(pg)
     is_default = dist.is_initialized() and pg is dist.distributed_c10d._get_default_group()
     if is_default and _lineage["root"] is None:
@@ -505,6 +573,11 @@ def _hand_over(
             f"{names} joined in a dead rank's place, but the state entries {', '.join(map(repr, sharded))} "
             "hold sharded tensors (FSDP2/DTensor): the dead rank's shards are on no live rank. Restart the "
             "job from a checkpoint"
+        )
+    if len(joiners) >= st.size:
+        raise fail(
+            "every rank of the group joined anew (all of the first processes died): no live rank holds "
+            "the state. Restart the job from a checkpoint"
         )
     source = joining.source_of(st.size, joiners)
     try:
