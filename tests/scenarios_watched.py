@@ -601,3 +601,34 @@ def recover_from_two_threads(ctx) -> None:
         fastdist.all_reduce(t, timeout=20)
         outcomes.append({**got, "sum": t.item()})
     ctx.record("two_threads_recover", outcomes=outcomes)
+
+
+def side_thread_waits_here(ctx, sub, release: threading.Event) -> None:
+    """A side thread that issues the subgroup's ops, then waits (for the test: where it is)."""
+    t = torch.ones(1)
+    fastdist.all_reduce(t, group=sub, timeout=20)
+    release.wait(30)
+
+
+def subgroup_report_names_issuer(ctx) -> None:
+    """2 ranks and a subgroup of both, whose ops come from a side thread. Rank 0 issues a subgroup
+    op that rank 1 never joins (rank 1's side thread waits elsewhere, its main thread sleeps in a
+    barrier-free loop): rank 0's error shows rank 1's side thread, not its main thread."""
+    ctx.init()
+    sub = dist.new_group([0, 1])
+    release = threading.Event()
+    side = threading.Thread(target=side_thread_waits_here, args=(ctx, sub, release), name="side")
+    side.start()
+    if ctx.rank == 0:
+        time.sleep(1.0)
+        try:
+            fastdist.barrier(group=sub, timeout=2)
+        except fastdist.CollectiveTimeoutError as e:
+            ctx.record("sub", message=str(e), stacks={str(k): v for k, v in (e.stacks or {}).items()})
+        release.set()
+    else:
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:  # the main thread, busy elsewhere
+            time.sleep(0.01)
+        release.set()
+    side.join(30)

@@ -81,3 +81,11 @@ def test_a_peer_fault_ends_ops_on_the_polled_path_too() -> None:
     assert a0["type"] == "CollectiveTimeoutError" and "rank 2 is not in a collective" in a0["message"], info
     assert a1["type"] == "GroupAbortedError" and a1["elapsed"] < 2.0, info
     assert abs(a1["wall"] - a0["wall"]) < 0.25, info
+
+
+def test_a_subgroup_report_shows_the_thread_that_issues_its_ops() -> None:
+    results = run_ranks("subgroup_report_names_issuer", 2, timeout=60)
+    info = describe(results)
+    assert all(r.returncode == 0 for r in results), info
+    sub = results[0].record("sub")
+    assert " in side_thread_waits_here" in sub["stacks"]["1"][0], info

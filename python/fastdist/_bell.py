@@ -329,14 +329,13 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
                 "waits": diagnostics.waits(st),
             }
         else:
-            main = threading.main_thread().ident or 0
             status = {
                 "rank": st.rank,
                 "op": "",
                 "seq": 0,
                 "state": "elsewhere",
                 "t": time.time(),
-                "stack": stack_of(main),
+                "stack": stack_of(_issuer(backends)),
                 "waits": diagnostics.waits(st),
             }
         if diagnostics.post_status(st, status, store):
@@ -352,6 +351,18 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
             b.fail_remote(record, reason)
         if not inflight:
             _groups.mark_dead(pg, reason)
+
+
+def _issuer(backends: list[Any]) -> int:
+    """The thread that issued the group's latest op, if it still runs (a subgroup's ops often come
+    from a thread of their own), else the main thread: where this rank is, as far as the group
+    is concerned."""
+    history = [h for b in backends for h in b.history()]
+    if history:
+        thread = int(max(history, key=lambda h: int(h["seq"]))["thread"])
+        if thread in sys._current_frames():
+            return thread
+    return threading.main_thread().ident or 0
 
 
 def stack_of(thread_ident: int) -> list[str]:
