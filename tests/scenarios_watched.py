@@ -632,3 +632,22 @@ def subgroup_report_names_issuer(ctx) -> None:
             time.sleep(0.01)
         release.set()
     side.join(30)
+
+
+def ctrl_c_rings_peers(ctx) -> None:
+    """3 ranks; rank 2 stays away. Ranks 0 and 1 wait in one all_reduce (60 s); rank 0 gets
+    Ctrl-C: rank 1 raises at once, saying rank 0 was interrupted, not a timeout."""
+    ctx.init()
+    fastdist.barrier(timeout=20)
+    if ctx.rank == 2:
+        ctx.wait_release()
+        return
+    if ctx.rank == 0:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        fastdist.all_reduce(torch.ones(1), timeout=60)
+    except KeyboardInterrupt:
+        ctx.record("interrupted", after=time.monotonic() - start)
+    except fastdist.FastdistError as e:
+        ctx.record("peer", type=type(e).__name__, message=str(e), after=time.monotonic() - start)

@@ -84,3 +84,14 @@ def test_ctrl_c_inside_ddp_backward_and_recv_then_a_prompt_exit() -> None:
     # hands) plus torch's own teardown of the groups, which on this machine's kernel (not the
     # gVisor sandbox this bound was first set on) takes about 1.4 s more: 3.4-3.6 s measured.
     assert r0.exited_at - r0.record("ending")["wall"] < 5.0, info
+
+
+def test_ctrl_c_on_one_rank_is_told_to_its_peers_at_once() -> None:
+    results = run_ranks("ctrl_c_rings_peers", 3, absent=(2,), timeout=60)
+    info = describe(results)
+    assert results[0].returncode == 0 and results[1].returncode == 0, info
+    assert results[0].record("interrupted")["after"] < 1.5, info
+    peer = results[1].record("peer")
+    assert peer["type"] == "GroupAbortedError", info
+    assert "rank 0 was interrupted (KeyboardInterrupt) in all_reduce #2" in peer["message"], info
+    assert peer["after"] < 2.5, info  # 1 s to the interrupt, then the ring: not the 60 s deadline

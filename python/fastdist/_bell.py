@@ -342,7 +342,9 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
             # This rank's post completed the board: it publishes the summary, before it ends its
             # ops (ending one can run that op's own report, which waits for the summary, here).
             diagnostics.publish(st, store)
-        verb = "timed out in" if fault.get("state") == "timed_out" else "failed in"
+        verb = {"timed_out": "timed out in", "interrupted": "was interrupted (KeyboardInterrupt) in"}.get(
+            str(fault.get("state")), "failed in"
+        )
         reason = (
             f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']} and aborted group {st.name!r} "
             "while this rank was in no op on it"

@@ -186,6 +186,9 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     if kind == "interrupted":
         reason = f"an op was interrupted (Ctrl-C) on rank {st.my_global_rank}"
         _groups.mark_dead(pg, reason)
+        # The peers in the op would otherwise wait for it until their deadline, and then blame a
+        # timeout: ring them (bounded, so that the KeyboardInterrupt is not held up).
+        diagnostics.announce(st, op, seq, "interrupted")
         # Ctrl-C: every op in flight on the group ends, wherever torch waits for it (DDP's backward
         # included), and the group is dead. The KeyboardInterrupt itself is Python's: its handler
         # runs as soon as the main thread is back in Python, a moment later (raising one here too
@@ -244,6 +247,20 @@ def _remote_fault(
     # rank stuck in the op with the others.
     began = time.time() - (current_time() - start)
     late = isinstance(peer.get("t"), (int, float)) and began > peer["t"]
+    if peer.get("state") == "interrupted":
+        reason = f"{who} was interrupted (KeyboardInterrupt) in {what}"
+        _die(
+            pg,
+            st,
+            reason,
+            GroupAbortedError(
+                op=op,
+                group=st.name,
+                rank=st.my_global_rank,
+                reason=reason + "; aborting the communicators hung",
+            ),
+        )
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     if peer.get("op") == op and peer.get("seq") == seq and not late:
         _die(
             pg,

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import _keys
-from ._bounded import GRACE_SECONDS, bounded
+from ._bounded import GRACE_SECONDS, StoreUnanswered, bounded
 from ._timeouts import current_time
 
 if TYPE_CHECKING:
@@ -195,6 +195,31 @@ SUMMARY_SECONDS = 1.0
 # How many ranks in turn take the place of a closer whose summary did not come (a second each;
 # the report's bound, GRACE_SECONDS past the first wait, ends the turns about then anyway).
 TAKER_TURNS = 3
+
+
+ANNOUNCE_SECONDS = 0.2
+
+
+def announce(st: GroupState, op: str, seq: int, state: str) -> None:
+    """Claims the group's fault for this rank (``state``: why it left ``op`` #``seq``) and rings
+    the other ranks, without waiting for their answers; bounded by ANNOUNCE_SECONDS."""
+    from . import _bell
+
+    store = st.store
+    if store is None or st.size <= 1:
+        return
+    prefix = _prefix(st)
+    me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time(), "waits": waits(st)}
+
+    def work(_abandoned: threading.Event) -> None:
+        mine = json.dumps(me)
+        if store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
+            _bell.ring(st, me)
+
+    try:
+        bounded(work, ANNOUNCE_SECONDS, "ringing the group")
+    except (RuntimeError, StoreUnanswered) as exc:
+        logger.debug("fastdist: could not ring group %r: %r", st.name, exc)
 
 
 def report(
