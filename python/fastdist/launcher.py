@@ -131,11 +131,12 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
 
     # -- stopping -------------------------------------------------------------------------------
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kwargs: Any) -> None:
+        # (torch 2.13 passes timeout=, older versions is_restart=: handed on as they came.)
         self._pcontext = None
-        super()._shutdown(death_sig, timeout)
+        super()._shutdown(death_sig, *args, **kwargs)
         for ctx in self._contexts.values():
-            ctx.close(death_sig, timeout)
+            ctx.close(death_sig)
 
     # -- watching -------------------------------------------------------------------------------
 

@@ -521,6 +521,9 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
         if joiners:
             _watch.fresh_ddp_reducers(groups)
             _hand_over(pg, st, gen, state, joiners, deadline)
+            if me == joiners[0]:  # every member read the list before the hand-over's barrier
+                with contextlib.suppress(RuntimeError):  # a store without delete keeps it
+                    store.delete_key(_joiners_key(st, gen))
         return pg
     if st.dead_reason is None:
         _groups.mark_dead(pg, "replaced by fastdist.recover()", level=logging.INFO)
@@ -544,9 +547,13 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
     return new
 
 
+def _joiners_key(st: _groups.GroupState, gen: int) -> str:
+    return f"{_keys.key('recover', st.name)}/{gen}/joiners"
+
+
 def _joiners(store: Any, st: _groups.GroupState, gen: int) -> list[int]:
     """The global ranks that joined the job in generation ``gen`` (replacements, spares)."""
-    key = f"{_keys.key('recover', st.name)}/{gen}/joiners"
+    key = _joiners_key(st, gen)
     if not store.check([key]):
         return []
     return sorted({int(r) for r in bytes(store.get(key)).split()})
@@ -739,7 +746,7 @@ def _keys_of_generation(st: _groups.GroupState, gen: int) -> list[str]:
         return []
     rec = _keys.key("recover", st.name, gen)
     diag = _keys.key("diag", st.name, gen)
-    return [f"{rec}/{k}" for k in ("count", "members", "closed", "joiners")] + [
+    return [f"{rec}/{k}" for k in ("count", "members", "closed")] + [
         f"{diag}/{k}"
         for k in ("fault", "status", "count", "complete", "summary")
         + tuple(f"taker/{t}" for t in range(1, diagnostics.TAKER_TURNS + 1))
