@@ -117,6 +117,7 @@ def ring(st: GroupState, status: dict[str, Any]) -> None:
             "seq": status["seq"],
             "state": status["state"],
             "t": status["t"],
+            **({"dead": status["dead"]} if status.get("dead") else {}),
         }
     )
     try:
@@ -349,6 +350,8 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
             f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']} and aborted group {st.name!r} "
             "while this rank was in no op on it"
         )
+        if isinstance(fault.get("dead"), str):
+            reason = f"{fault['dead']}; {reason}"
         for b in backends:
             b.fail_remote(record, reason)
         if not inflight:

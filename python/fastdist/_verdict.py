@@ -99,6 +99,8 @@ def peer_closed(
     dead = joining.deaths_since(started_wall, st.global_ranks or [], DEATH_WAIT)
     if dead:
         who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
+        # The ranks not connected to the dead one would wait for their deadline: ring them.
+        diagnostics.announce(st, op, seq, "aborted", dead=who)
         reason = f"{who}; {op} #{seq} failed: {text}"
         _groups.mark_dead(pg, reason, replace=True)
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)

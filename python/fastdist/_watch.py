@@ -247,8 +247,11 @@ def _remote_fault(
     # rank stuck in the op with the others.
     began = time.time() - (current_time() - start)
     late = isinstance(peer.get("t"), (int, float)) and began > peer["t"]
-    if peer.get("state") == "interrupted":
-        reason = f"{who} was interrupted (KeyboardInterrupt) in {what}"
+    if peer.get("state") == "interrupted" or isinstance(peer.get("dead"), str):
+        if peer.get("state") == "interrupted":
+            reason = f"{who} was interrupted (KeyboardInterrupt) in {what}"
+        else:
+            reason = f"{peer['dead']} (seen by {who} in {what})"
         _die(
             pg,
             st,

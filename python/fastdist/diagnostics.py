@@ -200,9 +200,10 @@ TAKER_TURNS = 3
 ANNOUNCE_SECONDS = 0.2
 
 
-def announce(st: GroupState, op: str, seq: int, state: str) -> None:
-    """Claims the group's fault for this rank (``state``: why it left ``op`` #``seq``) and rings
-    the other ranks, without waiting for their answers; bounded by ANNOUNCE_SECONDS."""
+def announce(st: GroupState, op: str, seq: int, state: str, dead: str | None = None) -> None:
+    """Claims the group's fault for this rank (``state``: why it left ``op`` #``seq``; ``dead``:
+    which peers are known dead, and how) and rings the other ranks, without waiting for their
+    answers; bounded by ANNOUNCE_SECONDS."""
     from . import _bell
 
     store = st.store
@@ -210,6 +211,8 @@ def announce(st: GroupState, op: str, seq: int, state: str) -> None:
         return
     prefix = _prefix(st)
     me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time(), "waits": waits(st)}
+    if dead:
+        me["dead"] = dead
 
     def work(_abandoned: threading.Event) -> None:
         mine = json.dumps(me)
