@@ -200,6 +200,46 @@ def build(data: dict) -> tuple[str, dict]:
             )
         plot["recovery"] = rec
 
+    death = b.get("test_death_to_training_again", {}).get("extra_info")
+    if death:
+        lines += [
+            "",
+            (
+                "### A dead worker: SIGKILL in its backward to the next step done on every rank "
+                "(goal: a spare >= 10x faster than torchrun's restart)"
+            ),
+            "",
+            "| ranks | a spare | a new process | torchrun --max-restarts 1 + DCP | restart / spare |",
+            "|---|---|---|---|---|",
+        ]
+        for world in sorted({int(k.rsplit("-", 1)[1]) for k in death}):
+            row = {
+                m: death.get(f"{m}-{world}", {}).get("death_to_training_s")
+                for m in ("spare", "replacement", "torchrun-restart")
+            }
+            if None in row.values():
+                continue
+            restart = row["torchrun-restart"]
+            lines.append(
+                f"| {world} | {row['spare']:.2f} s | {row['replacement']:.2f} s | {restart:.2f} s | "
+                f"{restart / row['spare']:.1f}x |"
+            )
+        steps = [
+            f"{k}: {x['step_after_ms'] / x['step_before_ms']:.2f}"
+            for k, x in sorted(death.items())
+            if not k.startswith("torchrun")
+        ]
+        lines.append(
+            f"\nRank 0's median step after the join against before it (goal <= 1.02): {', '.join(steps)}."
+        )
+    hand = b.get("test_state_hand_over_throughput", {}).get("extra_info")
+    if hand:
+        lines.append(
+            f"\nState hand-over to a joiner, {hand['bytes'] / 2**30:.2f} GiB of model and momentum: "
+            f"{hand['fastdist_gbps']:.2f} GB/s against a raw gloo broadcast's "
+            f"{hand['broadcast_gbps']:.2f} GB/s (ratio {hand['ratio']:.2f}; goal >= 0.8)."
+        )
+
     scale = [b[k] for k in sorted(b) if k.startswith("test_register_cancel_with_pending")]
     if scale:
         lines += [
