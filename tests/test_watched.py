@@ -80,10 +80,11 @@ def test_ctrl_c_inside_ddp_backward_and_recv_then_a_prompt_exit() -> None:
     assert all(0 <= after < 0.5 for after in got.values()), info
     assert r0.record("dead") == {**r0.record("dead"), "default": True, "sub": True}, info
     assert "terminate called" not in r0.stderr and "Fatal Python error" not in r0.stderr, info
-    # A prompt exit: fastdist's exit drain (2 s at most, for the interrupted ops still in gloo's
-    # hands) plus torch's own teardown of the groups, which on this machine's kernel (not the
-    # gVisor sandbox this bound was first set on) takes about 1.4 s more: 3.4-3.6 s measured.
-    assert r0.exited_at - r0.record("ending")["wall"] < 5.0, info
+    # A prompt exit: after Ctrl-C fastdist does not wait for the interrupted ops still in gloo's
+    # hands (they wait for a peer that is not coming): 1.1-1.2 s measured here (3.4-3.6 s before;
+    # most of what is left is torch's teardown of DDP and two groups), the bound wide for a
+    # loaded 2-core machine.
+    assert r0.exited_at - r0.record("ending")["wall"] < 2.5, info
 
 
 def test_ctrl_c_on_one_rank_is_told_to_its_peers_at_once() -> None:

@@ -48,6 +48,8 @@ _active = False
 _registry: dict[int, tuple[Any, torch.device]] = {}
 # The group timeout the user gave fastdist.init_process_group (seconds), or None.
 _user_timeout: float | None = None
+# Whether Ctrl-C ended an op of this process (the exit then does not wait for it to end in gloo).
+_interrupted = False
 # The most recent faults, (time.monotonic(), exception): a scope turns a backend error that torch
 # re-wrapped on its way up back into the typed one.
 _recent: list[tuple[float, BaseException]] = []
@@ -184,6 +186,8 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     deadline = float(info["deadline"])
     last_seen = info["prev"] or None
     if kind == "interrupted":
+        global _interrupted
+        _interrupted = True
         reason = f"an op was interrupted (Ctrl-C) on rank {st.my_global_rank}"
         _groups.mark_dead(pg, reason)
         # The peers in the op would otherwise wait for it until their deadline, and then blame a
@@ -489,7 +493,9 @@ def _at_exit() -> None:
     from . import _bell
 
     _bell.stop()
-    end = time.monotonic() + EXIT_DRAIN_SECONDS
+    # Except after Ctrl-C: the ops it ended were waiting for peers that had not come, and end only
+    # at gloo's own timeout (the group's, often minutes): waiting would only delay the exit.
+    end = time.monotonic() + (0.0 if _interrupted else EXIT_DRAIN_SECONDS)
     while _watched.abandoned_inflight() > 0 and time.monotonic() < end:
         time.sleep(0.002)
     # Right after completing an op, gloo's worker destroys it, dropping the last reference to
