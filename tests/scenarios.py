@@ -1045,3 +1045,26 @@ def bench_detection(ctx) -> None:
                 "n": len(late),
             }
     ctx.record("detection", **out)
+
+
+def dead_peer_not_waited_for(ctx) -> None:
+    """3 ranks launched by hand (no agent); rank 2 is SIGKILLed in an all_reduce the others wait
+    in (a 3.3 s step deadline): they raise at once, and recover(allow_shrink=True) with a 20 s
+    timeout leaves rank 2 out without waiting for it."""
+    ctx.init()
+    fastdist.barrier(timeout=20)
+    t = torch.ones(1)
+    if ctx.rank == 2:
+        time.sleep(0.5)
+        ctx.record("dying", wall=time.time())
+        inject([Fault("sigkill", rank=2, step=0)], 0, 2)
+    try:
+        fastdist.all_reduce(t, timeout=3.3)
+        ctx.record("no_error")
+        return
+    except (CollectiveTimeoutError, GroupAbortedError) as e:
+        ctx.record("error", kind=type(e).__name__, message=str(e), wall=time.time())
+    t0 = time.monotonic()
+    new = fastdist.recover(timeout=20, allow_shrink=True)
+    ctx.record("recover_time", seconds=time.monotonic() - t0)
+    _after_recovery(ctx, new)

@@ -161,3 +161,18 @@ def test_straggler_left_out_by_a_shrinking_recovery_is_told_so() -> None:
         "already rebuilt the group as generation 1 without this rank"
         in straggler.record("left_out")["message"]
     ), info
+
+
+def test_a_dead_peer_is_not_waited_for_by_its_ops_or_by_a_shrinking_recovery() -> None:
+    results = run_ranks("dead_peer_not_waited_for", 3, timeout=60)
+    info = describe(results)
+    assert results[2].returncode == -9, info
+    died = results[2].record("dying")["wall"]
+    for r in results[:2]:
+        assert r.returncode == 0, info
+        err = r.record("error")
+        # The rank connected to it names it; a rank rung by that one says what it saw.
+        assert err["kind"] == "GroupAbortedError" and "exited or was killed" in err["message"], info
+        assert err["wall"] - died < 1.0, info  # not the 3.3 s deadline
+        assert r.record("recover_time")["seconds"] < 2.0, info  # not recover's 20 s
+        _check_recovered(r, info, 2, 3.0)

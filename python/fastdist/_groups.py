@@ -274,6 +274,24 @@ def revive(st: GroupState) -> None:
         st.dead_reason = None
 
 
+# Global ranks of a group (by name and generation) that closed their connections mid-op and did
+# not answer the report: a recovery allowed to shrink does not wait for them.
+_gone: dict[tuple[str, int], set[int]] = {}
+
+
+def presume_gone(st: GroupState, ranks: list[int]) -> None:
+    with _lock:
+        _gone.setdefault((st.name, st.generation), set()).update(r for r in ranks if r != st.my_global_rank)
+
+
+def gone(st: GroupState) -> set[int]:
+    """The ranks of ``st``'s current generation presumed gone (see presume_gone)."""
+    with _lock:
+        for key in [k for k in _gone if k[0] == st.name and k[1] < st.generation]:
+            del _gone[key]
+        return set(_gone.get((st.name, st.generation), ()))
+
+
 def next_generation(name: str) -> int:
     with _lock:
         _generations[name] = _generations.get(name, 0) + 1

@@ -268,6 +268,21 @@ def _remote_fault(
             ),
         )
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+    if peer.get("state") == "aborted" and not isinstance(peer.get("dead"), str):
+        # The ringer's op failed under it (a peer closed the group): not a timeout of its own.
+        reason = f"{who} saw the group closed under it by a peer in {what} (a rank exited or was killed)"
+        _die(
+            pg,
+            st,
+            reason,
+            GroupAbortedError(
+                op=op,
+                group=st.name,
+                rank=st.my_global_rank,
+                reason=reason + "; aborting the communicators hung",
+            ),
+        )
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     if peer.get("op") == op and peer.get("seq") == seq and not late:
         _die(
             pg,
