@@ -96,10 +96,28 @@ def _deliver(store: Any, global_rank: int, record: str) -> None:
     queues_of(store).queue_push(_inbox(global_rank), record)
 
 
-def _children(st: GroupState, root: int) -> list[int]:
-    """This rank's children in the ring tree rooted at group rank ``root``, as global ranks."""
-    pos = (st.rank - root) % st.size
-    return [st.global_rank((root + c) % st.size) for c in (2 * pos + 1, 2 * pos + 2) if c < st.size]
+def _children(st: GroupState, root: int, dead: frozenset[int] = frozenset()) -> list[int]:
+    """This rank's children in the ring tree rooted at group rank ``root``, as global ranks; a
+    child in ``dead`` (global ranks known dead) is skipped for its own children, so that its
+    subtree is still rung."""
+    out: list[int] = []
+    todo = [(st.rank - root) % st.size]
+    while todo:
+        pos = todo.pop()
+        for c in (2 * pos + 1, 2 * pos + 2):
+            if c >= st.size:
+                continue
+            child = st.global_rank((root + c) % st.size)
+            if child in dead:
+                todo.append(c)
+            else:
+                out.append(child)
+    return out
+
+
+def _dead_of(record: dict[str, Any]) -> frozenset[int]:
+    ranks = record.get("dead_ranks")
+    return frozenset(r for r in ranks if isinstance(r, int)) if isinstance(ranks, list) else frozenset()
 
 
 def ring(st: GroupState, status: dict[str, Any]) -> None:
@@ -117,11 +135,11 @@ def ring(st: GroupState, status: dict[str, Any]) -> None:
             "seq": status["seq"],
             "state": status["state"],
             "t": status["t"],
-            **({"dead": status["dead"]} if status.get("dead") else {}),
+            **({"dead": status["dead"], "dead_ranks": status["dead_ranks"]} if status.get("dead") else {}),
         }
     )
     try:
-        for child in _children(st, st.rank):
+        for child in _children(st, st.rank, _dead_of(status)):
             _deliver(st.store, child, record)
     except RuntimeError as exc:  # a store without queues (FileStore): the others find out at their deadline
         logger.debug("fastdist: could not ring the group: %r", exc)
@@ -314,7 +332,7 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
         if st.name != fault["group"] or st.generation != fault["gen"]:
             continue
         record = raw.decode() if isinstance(raw, bytes) else str(raw)
-        for child in _children(st, fault["root"]):
+        for child in _children(st, fault["root"], _dead_of(fault)):
             _deliver(store, child, record)
         backends = _watch.backends_of(pg)
         inflight = sorted((op for b in backends for op in b.inflight_ops()), key=lambda o: o[1])

@@ -96,7 +96,7 @@ def peer_closed(
     if dead:
         who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
         # The ranks not connected to the dead one would wait for their deadline: ring them.
-        diagnostics.announce(st, op, seq, "aborted", dead=who)
+        diagnostics.announce(st, op, seq, "aborted", dead=who, dead_ranks=list(dead))
         reason = f"{who}; {op} #{seq} failed: {text}"
         _groups.mark_dead(pg, reason, replace=True)
         _groups.presume_gone(st, list(dead))

@@ -200,7 +200,14 @@ TAKER_TURNS = 3
 ANNOUNCE_SECONDS = 0.2
 
 
-def announce(st: GroupState, op: str, seq: int, state: str, dead: str | None = None) -> None:
+def announce(
+    st: GroupState,
+    op: str,
+    seq: int,
+    state: str,
+    dead: str | None = None,
+    dead_ranks: list[int] | None = None,
+) -> None:
     """Claims the group's fault for this rank (``state``: why it left ``op`` #``seq``; ``dead``:
     which peers are known dead, and how) and rings the other ranks, without waiting for their
     answers; bounded by ANNOUNCE_SECONDS."""
@@ -213,6 +220,7 @@ def announce(st: GroupState, op: str, seq: int, state: str, dead: str | None = N
     me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time(), "waits": waits(st)}
     if dead:
         me["dead"] = dead
+        me["dead_ranks"] = sorted(dead_ranks or [])
 
     def work(_abandoned: threading.Event) -> None:
         mine = json.dumps(me)
@@ -222,7 +230,7 @@ def announce(st: GroupState, op: str, seq: int, state: str, dead: str | None = N
     try:
         bounded(work, ANNOUNCE_SECONDS, "ringing the group")
     except (RuntimeError, StoreUnanswered) as exc:
-        logger.debug("fastdist: could not ring group %r: %r", st.name, exc)
+        logger.warning("rank %d: could not ring group %r: %r", st.my_global_rank, st.name, exc)
 
 
 def report(
