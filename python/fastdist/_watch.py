@@ -251,38 +251,18 @@ def _remote_fault(
     # rank stuck in the op with the others.
     began = time.time() - (current_time() - start)
     late = isinstance(peer.get("t"), (int, float)) and began > peer["t"]
-    if peer.get("state") == "interrupted" or isinstance(peer.get("dead"), str):
-        if peer.get("state") == "interrupted":
-            reason = f"{who} was interrupted (KeyboardInterrupt) in {what}"
-        else:
-            reason = f"{peer['dead']} (seen by {who} in {what})"
-        _die(
-            pg,
-            st,
-            reason,
-            GroupAbortedError(
-                op=op,
-                group=st.name,
-                rank=st.my_global_rank,
-                reason=reason + "; aborting the communicators hung",
-            ),
-        )
-        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-    if peer.get("state") == "aborted" and not isinstance(peer.get("dead"), str):
+    if peer.get("state") == "interrupted":
+        return _aborted(pg, st, op, f"{who} was interrupted (KeyboardInterrupt) in {what}")
+    if isinstance(peer.get("dead"), str):
+        return _aborted(pg, st, op, f"{peer['dead']} (seen by {who} in {what})")
+    if peer.get("state") == "aborted":
         # The ringer's op failed under it (a peer closed the group): not a timeout of its own.
-        reason = f"{who} saw the group closed under it by a peer in {what} (a rank exited or was killed)"
-        _die(
+        return _aborted(
             pg,
             st,
-            reason,
-            GroupAbortedError(
-                op=op,
-                group=st.name,
-                rank=st.my_global_rank,
-                reason=reason + "; aborting the communicators hung",
-            ),
+            op,
+            f"{who} saw the group closed under it by a peer in {what} (a rank exited or was killed)",
         )
-        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     if peer.get("op") == op and peer.get("seq") == seq and not late:
         _die(
             pg,
@@ -299,7 +279,13 @@ def _remote_fault(
         _run_handler(err, info["waiter"])
         return err
     verb = "timed out in" if peer.get("state") == "timed_out" else "failed in"
-    reason = f"{who} {verb} {what} and aborted group {st.name!r} while this rank was in {op} #{seq}"
+    return _aborted(
+        pg, st, op, f"{who} {verb} {what} and aborted group {st.name!r} while this rank was in {op} #{seq}"
+    )
+
+
+def _aborted(pg: Any, st: GroupState, op: str, reason: str) -> GroupAbortedError:
+    """The group is dead under ``op`` for ``reason`` (a peer's fault): the error, after _die."""
     _die(
         pg,
         st,
