@@ -10,19 +10,9 @@ import sys
 
 import fastdist
 import torch
+from fastdist.examples.train_ddp import Progress
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-
-
-class Progress:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.step = sd["step"]
 
 
 def main() -> None:
