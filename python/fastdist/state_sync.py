@@ -86,22 +86,19 @@ def sharded_entries(state: Mapping[str, Any]) -> list[str]:
     DTensor = tensor_module.DTensor
     out = []
     for key, obj in state.items():
-        tensors: list[torch.Tensor] = []
-        _walk(obj.state_dict(), tensors.append)
-        if any(isinstance(t, DTensor) for t in tensors):
+        if any(isinstance(t, DTensor) for t in _leaves(obj.state_dict(), torch.Tensor)):
             out.append(key)
     return out
 
 
-def _walk(value: Any, visit: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        visit(value)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _walk(v, visit)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _walk(v, visit)
+def _leaves(value: Any, kind: type) -> list[Any]:
+    """Every ``kind`` in a state_dict-like tree of dicts, lists and tuples."""
+    if isinstance(value, kind):
+        return [value]
+    children = (
+        value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    )
+    return [leaf for v in children for leaf in _leaves(v, kind)]
 
 
 def _pack(value: Any, into: _Packing) -> Any:
@@ -157,18 +154,6 @@ def _targets(skeleton: Any, own: Any, out: dict[int, torch.Tensor]) -> None:
     elif isinstance(skeleton, (list, tuple)) and isinstance(own, (list, tuple)) and len(own) == len(skeleton):
         for v, o in zip(skeleton, own):
             _targets(v, o, out)
-
-
-def _direct_slots(value: Any, out: list[_Slot]) -> None:
-    if isinstance(value, _Slot):
-        if value.direct >= 0:
-            out.append(value)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _direct_slots(v, out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _direct_slots(v, out)
 
 
 def _unpack(value: Any, buf: torch.Tensor, direct: dict[int, torch.Tensor]) -> Any:
@@ -238,8 +223,7 @@ def receive(
         meta = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         dist.recv(meta, source, group=group)
         skeleton, total = pickle.load(io.BytesIO(meta.cpu().numpy().tobytes()))
-        slots: list[_Slot] = []
-        _direct_slots(skeleton, slots)
+        slots = [s for s in _leaves(skeleton, _Slot) if s.direct >= 0]
         own: dict[int, torch.Tensor] = {}
         if skeleton is not None and into is not None:
             for key, obj in into.items():
