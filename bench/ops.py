@@ -25,13 +25,14 @@ def make_groups() -> tuple:
     group, made before fastdist watches anything (the default group came from torch's own
     init_process_group), and a watched one, made once watching is on (as after
     fastdist.init_process_group). Every rank calls this in the same order."""
-    from fastdist import _watch
+    from fastdist.groups import registry
+    from fastdist.ops import watching
 
     ranks = list(range(dist.get_world_size()))
     plain = dist.new_group(ranks)
-    _watch.activate(None)
+    watching.activate(None)
     watched = dist.new_group(ranks)
-    assert _watch.is_watched(watched) and not _watch.is_watched(plain)
+    assert registry.is_watched(watched) and not registry.is_watched(plain)
     return plain, watched
 
 

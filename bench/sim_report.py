@@ -3,10 +3,10 @@
 Simulates ranks FIRST..FIRST+COUNT-1 of a WORLD-rank group as clients of one TCPStore, running
 fastdist's own protocols without a process or a torch group per rank:
 
-1. The fault report (fastdist.diagnostics.report, fastdist._bell's ring tree): rank 0 times out
-   and reports; every other rank but the last (dead: it never answers) is rung, forwards the ring
-   to its children, posts its status and collects the report, as a rank in the same op does.
-2. The recovery agreement (fastdist.recovery._agree) with every rank arriving: generation 1.
+1. The fault report (fastdist.diagnostics.board.report, the ring tree of fastdist.diagnostics.ring):
+   rank 0 times out and reports; every other rank but the last (dead: it never answers) is rung,
+   forwards the ring to its children, posts its status and collects the report, as a rank in the same op does.
+2. The recovery agreement (fastdist.recovery.recover._agree) with every rank arriving: generation 1.
 3. The agreement again with the last rank absent and ``allow_shrink=True``: generation 2, closed
    by the first deadline.
 
@@ -29,7 +29,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
-from fastdist import _bell, diagnostics, recovery
+from fastdist.diagnostics import board, ring
+from fastdist.recovery import recover as recovery
+from fastdist.store import keywait
 
 BUDGET = 1.0  # the op's timeout: the report window is 0.1 s plus 5 ms per level of the ring tree
 SHRINK_AFTER = 1.0  # phase 3: the agreement's deadline, after its start
@@ -57,7 +59,7 @@ _local = threading.local()
 
 @contextlib.contextmanager
 def _own_waiter() -> Iterator[Any]:
-    # In a job each rank has its own wait connection (fastdist._bell.waiter); here each simulated
+    # In a job each rank has its own wait connection (fastdist.store.keywait.waiter); here each simulated
     # rank's thread does.
     _local.counter[0] += 1  # the wait itself
     yield _local.waiter
@@ -91,12 +93,12 @@ def main() -> None:
             ref=lambda: None,  # no torch group behind it: no history (the waits are made up below)
         )
         ranks.append((r, st, counter, conns[2 * i + 1]))
-    _bell.waiter = _own_waiter  # type: ignore[assignment]
+    keywait.waiter = _own_waiter  # type: ignore[assignment]
     # The store work runs in the simulated rank's own thread (in a job it runs in a bounded
     # helper thread: the same store operations, but the per-thread waiters above would not
     # follow it there).
     inline = lambda fn, seconds, what: fn(threading.Event())
-    diagnostics.bounded = inline  # type: ignore[assignment]
+    board.bounded = inline  # type: ignore[assignment]
     phases: dict[str, dict[str, dict[int, float]]] = {
         p: {"start": {}, "done": {}, "ops": {}, "rung": {}} for p in ("report", "agree", "shrink")
     }
@@ -110,12 +112,12 @@ def main() -> None:
         return out
 
     def rung(r: int, st: Any, counter: list[int], blocking: Any) -> None:
-        raw = blocking.queue_pop(_bell._inbox(r))
+        raw = blocking.queue_pop(ring.inbox(r))
         counter[0] += 1  # the listener's pop
         phases["report"]["rung"][r] = time.time()
         fault = json.loads(raw)
-        for child in _bell._children(st, fault["root"]):
-            _bell._deliver(st.store, child, raw.decode())
+        for child in ring.children(st, fault["root"]):
+            ring.deliver(st.store, child, raw.decode())
         status = {
             "rank": r,
             "op": "barrier",
@@ -123,11 +125,11 @@ def main() -> None:
             "state": "in_op",
             "t": time.time(),
             "stack": ["train.py:88 in main", "train.py:57 in step"],
-            "waits": [[s, 900 + (r * 7 + s * 13) % 200] for s in range(1, diagnostics.WAITS_KEPT + 1)],
+            "waits": [[s, 900 + (r * 7 + s * 13) % 200] for s in range(1, board.WAITS_KEPT + 1)],
         }
-        if diagnostics.post_status(st, status):
-            diagnostics.publish(st, st.store)
-        rep = diagnostics.report(st, "barrier", 1, "aborted", BUDGET, rung=True)
+        if board.post_status(st, status):
+            board.publish(st, st.store)
+        rep = board.report(st, "barrier", 1, "aborted", BUDGET, rung=True)
         assert rep is not None and world - 1 in rep.missing, rep
 
     def run_rank(r: int, st: Any, counter: list[int], blocking: Any) -> None:
@@ -136,9 +138,7 @@ def main() -> None:
         # and the control connection is shared by every simulated rank of this process.
         if r == 0:
             blocking.wait(["fire"])
-            rep = timed(
-                "report", r, counter, lambda: diagnostics.report(st, "barrier", 1, "timed_out", BUDGET)
-            )
+            rep = timed("report", r, counter, lambda: board.report(st, "barrier", 1, "timed_out", BUDGET))
             assert rep is not None and world - 1 in rep.missing, rep
             answered[0] = world - len(rep.missing)  # the dead rank never answers
         elif r != world - 1:

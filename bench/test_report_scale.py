@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import SMOKE
-from fastdist import diagnostics
+from fastdist.diagnostics import board
 
 pytestmark = pytest.mark.timeout(900)
 # 256 simulated ranks (threads) per process: 4 processes at 1,024 ranks, 16 at 4,096 (at 1,024
@@ -122,7 +122,7 @@ def test_report_scale(benchmark, monkeypatch, world: int) -> None:
     extra = {
         "ranks": world,
         "answered_in_window": answered,
-        "window_ms": diagnostics.window(1.0, world) * 1000,
+        "window_ms": board.window(1.0, world) * 1000,
         "last_holds_report_ms": report_ms,
         "first_holds_report_ms": first_ms,
         "ring_reached_all_ms": ring_ms,

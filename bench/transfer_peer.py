@@ -14,7 +14,7 @@ import time
 import fastdist
 import torch
 import torch.distributed as dist
-from fastdist import state_sync
+from fastdist.recovery import state_sync
 
 
 def main() -> None:

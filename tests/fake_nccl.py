@@ -104,8 +104,8 @@ def _create(store, rank, world_size, timeout):
 
 
 def register() -> None:
-    import fastdist._polled
+    import fastdist.ops.polled
 
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, devices=["cpu"])
-    fastdist._groups.POLLED_BACKENDS.add(NAME)
+    fastdist.groups.pgstate.POLLED_BACKENDS.add(NAME)

@@ -668,7 +668,7 @@ def rpc_timeouts(ctx) -> None:
 
 def fake_nccl_logic(ctx) -> None:
     import fake_nccl
-    from fastdist import _polled
+    from fastdist.ops import polled
 
     fake_nccl.register()
     fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1)
@@ -681,7 +681,7 @@ def fake_nccl_logic(ctx) -> None:
     ctx.record("blocking", elapsed=time.monotonic() - t0)
     # Async: wait() polls the work itself; a handle nobody waits on is released by the reaper.
     fake_nccl.DELAY = 0.2
-    reaped = _polled.reaper.reaped
+    reaped = polled.reaper.reaped
     t0 = time.monotonic()  # before the issue: the op takes DELAY from there
     h = fastdist.all_reduce(t, async_op=True, timeout=5)
     first = h.is_completed()
@@ -689,14 +689,14 @@ def fake_nccl_logic(ctx) -> None:
     elapsed = time.monotonic() - t0
     unwaited = fastdist.all_reduce(t, async_op=True, timeout=5)
     # The reaper releases it (DELAY after its issue): poll for that, bounded.
-    _poll_until(lambda: _polled.reaper.pending() == 0 and unwaited.is_completed(), 3.0)
+    _poll_until(lambda: polled.reaper.pending() == 0 and unwaited.is_completed(), 3.0)
     ctx.record(
         "async",
         first=first,
         ok=ok,
         elapsed=elapsed,
-        reaped=_polled.reaper.reaped - reaped,
-        pending=_polled.reaper.pending(),
+        reaped=polled.reaper.reaped - reaped,
+        pending=polled.reaper.pending(),
         unwaited_done=unwaited.is_completed() and unwaited.exception() is None,
     )
     # A hang: the deadline fires, the communicators are aborted, the group is dead.
@@ -710,7 +710,7 @@ def fake_nccl_logic(ctx) -> None:
         ctx.record(
             "timeout",
             elapsed=elapsed,
-            aborts_done=_polled.wait_aborts(),
+            aborts_done=polled.wait_aborts(),
             aborted=len(fake_nccl.aborted_groups),
             message=str(e),
         )
@@ -886,8 +886,8 @@ def bench_reaping(ctx) -> None:
     import os
     import statistics
 
-    from fastdist._polled import Reaper
-    from fastdist._timeouts import engine
+    from fastdist.deadlines import engine
+    from fastdist.ops.polled import Reaper
 
     backend = os.environ.get("FASTDIST_BENCH_BACKEND", "fake")
     if backend == "nccl":
@@ -1018,7 +1018,7 @@ def bench_detection(ctx) -> None:
     import os
     import statistics
 
-    from fastdist import diagnostics
+    from fastdist.diagnostics import board
 
     ctx.init()
     n = int(os.environ.get("FASTDIST_BENCH_HANGS", "50"))
@@ -1027,7 +1027,7 @@ def bench_detection(ctx) -> None:
     out = {}
     for mode in ("with_report", "without_report"):
         if mode == "without_report":
-            diagnostics.report = lambda *a, **k: None  # what a timeout costs before any store traffic
+            board.report = lambda *a, **k: None  # what a timeout costs before any store traffic
         late = []
         for _ in range(n):
             if ctx.rank == 0:

@@ -153,8 +153,8 @@ def net_faults(ctx) -> None:
 def _cut_off_checks(ctx, store_ip: str, port: int) -> None:
     """Rank 2, cut off: doctor and a rendezvous connect from here, then its link comes back once
     the others have recovered without it."""
-    from fastdist import rendezvous
     from fastdist.errors import RendezvousConnectionError
+    from fastdist.store import rendezvous
 
     t0 = time.monotonic()
     doctor = subprocess.run(

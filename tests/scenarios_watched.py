@@ -198,12 +198,12 @@ def reliability_single(ctx) -> None:
     scope's deadline."""
     import math
 
-    from fastdist import _groups
+    from fastdist.groups import pgstate
 
     fastdist.init_process_group(
         "gloo", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1, timeout=60
     )
-    st = _groups.state_of(dist.group.WORLD)
+    st = pgstate.state_of(dist.group.WORLD)
     huge = {}
     for value in (8e9, 1e10, 1e18, 10**30, math.inf):
         t0 = time.monotonic()
@@ -378,7 +378,7 @@ def member_dies_inside_recover(ctx) -> None:
     """3 ranks: rank 2 hangs past a timeout, then joins recover() and is SIGKILLed right after the
     agreement, while the group is rebuilt. Ranks 0 and 1 get RecoveryError within recover's
     timeout plus a second; their next recover(allow_shrink=True) leaves rank 2 out and works."""
-    from fastdist import recovery
+    from fastdist.recovery import recover as recovery
 
     ctx.init()
     fastdist.barrier(timeout=20)

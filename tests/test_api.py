@@ -109,7 +109,7 @@ def test_default_timeout_from_setter_env_and_fallback(monkeypatch) -> None:
 
 
 def test_scopes_nest_and_take_the_sooner_deadline() -> None:
-    from fastdist._timeouts import effective_deadline
+    from fastdist.deadlines import effective_deadline
 
     now = fastdist.current_time()
     assert effective_deadline(5, now) == now + 5
@@ -182,12 +182,13 @@ class _BrokenWork:
 def test_expiry_and_reaper_survive_a_completion_query_that_raises() -> None:
     """Issue 13 item 8: an exception inside the expiry action still leaves the handle failed and
     the group dead (exception() returns, never blocks), and the NCCL reaper thread survives one."""
-    from fastdist import _groups, _polled, _unwatched
+    from fastdist.groups import pgstate
+    from fastdist.ops import polled, unwatched
 
     pg = _solo_group()
-    st = _groups.state_of(pg)
+    st = pgstate.state_of(pg)
     start = fastdist.current_time()
-    h = _unwatched.UnwatchedWork("all_reduce", pg, st, 1, _BrokenWork(), start, start + 0.2)
+    h = unwatched.UnwatchedWork("all_reduce", pg, st, 1, _BrokenWork(), start, start + 0.2)
     time.sleep(0.5)  # past the deadline: the expiry ran (or runs now; exception() waits for it)
     err = h.exception()
     assert isinstance(err, GroupAbortedError) and "completion query failed" in str(err), err
@@ -195,18 +196,18 @@ def test_expiry_and_reaper_survive_a_completion_query_that_raises() -> None:
     with pytest.raises(GroupAbortedError):
         h.wait()
 
-    token = fastdist._timeouts.engine().add(fastdist.current_time() + 30)
-    _polled.reaper.watch(12345, _BrokenWork(), token)
+    token = fastdist.deadlines.engine().add(fastdist.current_time() + 30)
+    polled.reaper.watch(12345, _BrokenWork(), token)
     t0 = fastdist.current_time()
     while token.state == fastdist._core.PENDING and fastdist.current_time() - t0 < 5:
         pass
     assert token.state == fastdist._core.COMPLETED  # handed to its waiter, whose wait() raises
-    ok = fastdist._timeouts.engine().add(fastdist.current_time() + 30)
-    _polled.reaper.watch(12345, type("Done", (), {"is_completed": lambda self: True})(), ok)
+    ok = fastdist.deadlines.engine().add(fastdist.current_time() + 30)
+    polled.reaper.watch(12345, type("Done", (), {"is_completed": lambda self: True})(), ok)
     t0 = fastdist.current_time()
     while ok.state == fastdist._core.PENDING and fastdist.current_time() - t0 < 5:
         pass
-    assert ok.state == fastdist._core.COMPLETED and _polled.reaper._thread.is_alive()
+    assert ok.state == fastdist._core.COMPLETED and polled.reaper._thread.is_alive()
 
 
 def test_rendezvous_timeout_states() -> None:
@@ -219,7 +220,7 @@ def test_rendezvous_timeout_states() -> None:
     assert 29.0 < rt.remaining() <= 30.0 and not rt.is_timed_out()
     assert repr(rt).startswith("RendezvousTimeout(timeout=30, closed, remaining=")
     short = RendezvousTimeout(0.01)
-    from fastdist._timeouts import effective_deadline
+    from fastdist.deadlines import effective_deadline
 
     effective_deadline(short, fastdist.current_time())  # a call given it closes it
     assert short.closed
@@ -419,8 +420,9 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
     import types
 
     import torch.distributed as dist
-    from fastdist import _keys, diagnostics, rendezvous
+    from fastdist.diagnostics import board
     from fastdist.errors import RendezvousConnectionError
+    from fastdist.store import keys, rendezvous
 
     store = dist.HashStore()
     st = types.SimpleNamespace(
@@ -433,18 +435,18 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
         my_global_rank=0,
         global_rank=lambda r: r,
     )
-    prefix = _keys.key("diag", "g", 0)
+    prefix = keys.key("diag", "g", 0)
     store.append(f"{prefix}/status", "{not json\n")
     good = {"rank": 2, "op": "barrier", "seq": 4, "state": "timed_out", "t": 1.0}
     store.append(f"{prefix}/status", json.dumps(good) + "\n")
     store.append(f"{prefix}/status", json.dumps(dict(good, rank=1, seq="4")) + "\n")  # a wrong type
     store.add(f"{prefix}/count", 2)
-    before = diagnostics.store_failure
-    rep = diagnostics.report(st, "barrier", 4, "timed_out", 1.0)
+    before = board.store_failure
+    rep = board.report(st, "barrier", 4, "timed_out", 1.0)
     # The invalid records are ignored (rank 1 counts as not answering), the valid one is used,
     # and the store is not reported as gone.
     assert rep is not None and rep.missing == [1] and rep.timed_out == [2] and not rep.desynced, rep
-    assert diagnostics.store_failure == before
+    assert board.store_failure == before
 
     for bad in ("garbage", json.dumps([1, 2]), json.dumps({"torch": "2.13.0"})):
         store.set(rendezvous.VERSION_KEY, bad)
@@ -453,7 +455,7 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
 
 
 def test_straggler_hint_names_a_rank_only_when_it_is_clearly_last_in_most_ops() -> None:
-    from fastdist.diagnostics import straggler
+    from fastdist.diagnostics.board import straggler
 
     def waits(last_us: int, others_us: int, n: int = 8, slow: int = 2) -> dict[int, Any]:
         return {r: [[s, last_us if r == slow else others_us] for s in range(1, n + 1)] for r in range(3)}
@@ -487,7 +489,7 @@ def test_straggler_hint_names_a_rank_only_when_it_is_clearly_last_in_most_ops() 
 
 def test_any_real_number_is_a_timeout_and_huge_ones_mean_no_deadline() -> None:
     import numpy
-    from fastdist._timeouts import validate_seconds
+    from fastdist.deadlines import validate_seconds
 
     assert validate_seconds(numpy.int64(2)) == 2.0
     assert validate_seconds(numpy.float32(0.5)) == 0.5

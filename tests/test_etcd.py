@@ -99,7 +99,7 @@ def test_the_store_does_what_torch_and_fastdist_use_and_leaves_nothing(etcd) -> 
             EtcdStore("127.0.0.1:notaport", job)
         with pytest.raises(TypeError, match="timeout"):
             EtcdStore(etcd.endpoints, job, timeout="5")
-        from fastdist.etcd import parse_url
+        from fastdist.store.etcd import parse_url
 
         with pytest.raises(ValueError, match="must name the job"):
             parse_url("etcd://127.0.0.1:2379")
@@ -174,7 +174,7 @@ def _free_port() -> int:
 
 def test_refused_unresolvable_and_unreachable_endpoints_are_named() -> None:
     import fastdist
-    from fastdist.rendezvous import connect_etcd
+    from fastdist.store.rendezvous import connect_etcd
 
     refused = _free_port()
     t0 = time.monotonic()

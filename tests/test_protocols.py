@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from fastdist import _keys, diagnostics, recovery
-from fastdist._timeouts import current_time
+from fastdist.deadlines import current_time
+from fastdist.diagnostics import board
 from fastdist.errors import RecoveryError
+from fastdist.recovery import recover as recovery
+from fastdist.store import keys
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,13 +85,13 @@ def _board(size: int) -> bytes:
 
 def test_the_summary_gives_every_rank_the_full_report_in_a_few_hundred_bytes() -> None:
     size = 1024
-    summary = diagnostics.summarize(_rank(None, 0, size), _board(size))
+    summary = board.summarize(_rank(None, 0, size), _board(size))
     text = json.dumps(summary, separators=(",", ":"))
     assert len(text) < 1024, (len(text), text)  # from 1,000 records of about 400 bytes each
-    parsed = diagnostics.parse_summary(text.encode(), size)
+    parsed = board.parse_summary(text.encode(), size)
     assert parsed == summary and parsed["invalid"] == 1
 
-    rep = diagnostics._judge(_rank(None, 3, size), "all_reduce", 57, parsed)
+    rep = board._judge(_rank(None, 3, size), "all_reduce", 57, parsed)
     assert rep.missing == [7, *range(1000, 1024)]  # in no op, and did not answer
     assert rep.desynced == {5: "barrier #3"}
     assert rep.timed_out == [0, 1, 2, 4, 5, 6, 8, 9]  # every other rank whose deadline passed
@@ -99,9 +101,9 @@ def test_the_summary_gives_every_rank_the_full_report_in_a_few_hundred_bytes() -
     assert 3 not in rep.stacks and 3 not in rep.missing  # never itself
     assert rep.straggler is not None and rep.straggler.startswith("rank 9 arrived last in 16 of the last 16")
     # Rank 0 is the earliest timeout: its own report takes the next one.
-    assert diagnostics._judge(_rank(None, 0, size), "all_reduce", 57, parsed).first_timeout_wall == 101.0
+    assert board._judge(_rank(None, 0, size), "all_reduce", 57, parsed).first_timeout_wall == 101.0
     # The same summary, judged by the rank in the other op: everyone in all_reduce #57 is desynced.
-    other = diagnostics._judge(_rank(None, 5, size), "barrier", 3, parsed)
+    other = board._judge(_rank(None, 5, size), "barrier", 3, parsed)
     assert len(other.desynced) == 998 and other.desynced[0] == "all_reduce #57" and 5 not in other.desynced
 
 
@@ -125,12 +127,12 @@ def test_the_summary_gives_every_rank_the_full_report_in_a_few_hundred_bytes() -
     ],
 )
 def test_a_summary_that_is_not_fastdists_is_refused(bad: bytes) -> None:
-    assert diagnostics.parse_summary(bad, 4) is None
+    assert board.parse_summary(bad, 4) is None
 
 
 def test_a_rank_reads_the_records_itself_when_the_summary_is_not_fastdists() -> None:
     store = dist.HashStore()
-    prefix = _keys.key("diag", "g", 0)
+    prefix = keys.key("diag", "g", 0)
     for r in (1, 2):
         rec = {"rank": r, "op": "barrier", "seq": 4, "state": "in_op", "t": 1.0, "stack": [f"x.py:{r} in f"]}
         store.append(f"{prefix}/status", json.dumps(rec) + "\n")
@@ -138,7 +140,7 @@ def test_a_rank_reads_the_records_itself_when_the_summary_is_not_fastdists() -> 
     store.set(f"{prefix}/summary", "garbage")  # a stranger's, or a corrupt value
     # Rank 0 of 4 posts (3 of 4: the board stays open), finds the summary invalid, and builds the
     # report from the records: rank 3 did not answer.
-    rep = diagnostics.report(_rank(store, 0, 4), "barrier", 4, "timed_out", 1.0)
+    rep = board.report(_rank(store, 0, 4), "barrier", 4, "timed_out", 1.0)
     assert rep is not None and rep.missing == [3] and rep.stacks == {1: ["x.py:1 in f"], 2: ["x.py:2 in f"]}
 
 
@@ -146,16 +148,16 @@ def test_the_rank_that_completes_the_board_publishes_the_summary_once() -> None:
     store = dist.HashStore()
     ranks = [_rank(store, r, 3, name="h") for r in range(3)]
     rec = {"op": "barrier", "seq": 1, "state": "in_op", "t": 1.0}
-    assert not diagnostics.post_status(ranks[1], dict(rec, rank=1))
-    assert not diagnostics.post_status(ranks[1], dict(rec, rank=1))  # once per generation
-    assert not diagnostics.post_status(ranks[2], dict(rec, rank=2))
+    assert not board.post_status(ranks[1], dict(rec, rank=1))
+    assert not board.post_status(ranks[1], dict(rec, rank=1))  # once per generation
+    assert not board.post_status(ranks[2], dict(rec, rank=2))
     counting = Counting(store)
-    rep = diagnostics.report(_rank(counting, 0, 3, name="h"), "barrier", 1, "timed_out", 1.0)
+    rep = board.report(_rank(counting, 0, 3, name="h"), "barrier", 1, "timed_out", 1.0)
     assert rep is not None and rep.missing == [] and not rep.desynced
     # A compare-and-set (the fault), the ring's two pushes, the post (an append and an add),
     # closing the board, one read of every record and the summary's write: no wait.
     assert counting.ops == 8, counting.ops
-    assert diagnostics.parse_summary(store.get(_keys.key("diag", "h", 0) + "/summary"), 3) is not None
+    assert board.parse_summary(store.get(keys.key("diag", "h", 0) + "/summary"), 3) is not None
 
 
 def test_when_the_closer_never_publishes_one_rank_takes_its_place_and_every_rank_gets_its_summary() -> None:
@@ -163,13 +165,13 @@ def test_when_the_closer_never_publishes_one_rank_takes_its_place_and_every_rank
     # for it): the live reporters must not each read every record (N^2 bytes from the one store:
     # 5 GB at 4,096 ranks). One takes over, reads the records once and publishes; the others wait.
     store = dist.HashStore()
-    prefix = _keys.key("diag", "t", 0)
+    prefix = keys.key("diag", "t", 0)
     store.compare_set(f"{prefix}/complete", "", "deadline:3")
     reports: dict[int, Any] = {}
     counters = {r: Counting(store) for r in range(3)}
 
     def run(r: int) -> None:
-        reports[r] = diagnostics.report(_rank(counters[r], r, 4, name="t"), "barrier", 2, "timed_out", 1.0)
+        reports[r] = board.report(_rank(counters[r], r, 4, name="t"), "barrier", 2, "timed_out", 1.0)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
     for t in threads:

@@ -21,7 +21,7 @@ from fastdist import (
     RendezvousTimeout,
     RendezvousTimeoutError,
 )
-from fastdist.rendezvous import VERSION_KEY, check_versions, connect_store, rendezvous, versions
+from fastdist.store.rendezvous import VERSION_KEY, check_versions, connect_store, rendezvous, versions
 from torch.distributed import HashStore, TCPStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,7 +44,7 @@ def _fails(cause: str, **kwargs) -> RendezvousConnectionError:
 
 
 def test_nothing_listening_is_refused_within_the_connect_timeout(caplog) -> None:
-    caplog.set_level("INFO", logger="fastdist.rendezvous")
+    caplog.set_level("INFO", logger="fastdist.store.rendezvous")
     port = _free_port()
     err = _fails(
         "refused",

@@ -131,7 +131,8 @@ def smoke() -> None:
     import contextlib
     import io
 
-    from fastdist import cli, recovery
+    from fastdist import process_group
+    from fastdist.tools import cli
 
     fastdist.init_process_group("gloo")
     results["barrier"] = fastdist.barrier(timeout=30)
@@ -143,7 +144,7 @@ def smoke() -> None:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        recovery.configure_nccl_error_handling("nccl")
+        process_group.configure_nccl_error_handling("nccl")
     results["nccl_mode_after"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     results["nccl_warned"] = any("was set explicitly" in str(w.message) for w in caught)
     buf = io.StringIO()

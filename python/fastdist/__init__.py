@@ -8,34 +8,7 @@ Importing fastdist starts no thread: the deadline engine starts with the first d
 
 from __future__ import annotations
 
-import torch as _torch
-
-from . import _build_info
-
-if _torch.__version__ != _build_info.TORCH_VERSION:
-    # fastdist._watched links libtorch: a build serves exactly the torch it was compiled against.
-    raise ImportError(
-        f"fastdist was built against torch {_build_info.TORCH_VERSION}, and this is torch "
-        f"{_torch.__version__}: rebuild fastdist for this torch (pip install --no-build-isolation "
-        "--force-reinstall --no-deps <fastdist source>, or make setup)"
-    )
-
-from . import _watch  # noqa: F401  (watched groups: patches torch at init_process_group)
-from ._checks import checks_enabled, set_checks
-from ._groups import is_dead
-from ._timeouts import (
-    DeadlineScope,
-    RendezvousTimeout,
-    current_time,
-    fail_after,
-    fail_at,
-    get_default_timeout,
-    get_timeout_handler,
-    set_default_timeout,
-    set_timeout_handler,
-)
 from ._version import __version__
-from ._watch import history
 from .collectives import (
     Work,
     all_gather,
@@ -57,6 +30,17 @@ from .collectives import (
     send,
     wait,
 )
+from .deadlines import (
+    DeadlineScope,
+    RendezvousTimeout,
+    current_time,
+    fail_after,
+    fail_at,
+    get_default_timeout,
+    get_timeout_handler,
+    set_default_timeout,
+    set_timeout_handler,
+)
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -68,9 +52,13 @@ from .errors import (
     RendezvousTimeoutError,
     RpcTimeoutError,
 )
-from .etcd import EtcdStore
+from .groups.checks import checks_enabled, set_checks
+from .groups.pgstate import is_dead
+from .groups.registry import history
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
-from .recovery import get_rank, get_world_size, init_process_group, recover, sync_state
+from .process_group import get_rank, get_world_size, init_process_group
+from .recovery.recover import recover, sync_state
+from .store.etcd import EtcdStore
 
 # fastdist.rpc is a submodule (import fastdist.rpc): it imports torch.distributed.rpc.
 

@@ -3,7 +3,7 @@
 Each takes the same arguments as its ``torch.distributed`` namesake plus ``timeout=``, and either
 returns what torch returns or raises :class:`CollectiveTimeoutError` by the deadline (the sooner
 of ``timeout=`` and the innermost open scope). A function checks its arguments, then hands its
-op to fastdist._issue, which issues it on the group and waits: on a watched group the watched
+op to fastdist.ops.dispatch, which issues it on the group and waits: on a watched group the watched
 backend enforces the deadline (and gives gloo a per-call timeout a little later, which frees
 gloo's worker thread so that a dead group never holds a thread or blocks exit for long).
 
@@ -30,10 +30,12 @@ from torch.distributed.distributed_c10d import (
     ScatterOptions,
 )
 
-from . import _args, _core, _groups, _issue
-from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline
-from ._work import Work, backend_options, fail, wait_until
+from ._native import _core
+from .deadlines import DeadlineScope, TimeoutLike, current_time, effective_deadline
 from .errors import CollectiveTimeoutError
+from .groups import pgstate
+from .ops import arguments, dispatch
+from .ops.work import Work, backend_options, fail, wait_until
 
 __all__ = [
     "Work",
@@ -113,9 +115,9 @@ def barrier(group: Any = None, *, timeout: TimeoutLike = None, raise_on_timeout:
     start = _monotonic()
     deadline = effective_deadline(timeout, start)
     if raise_on_timeout is not True and raise_on_timeout is not False:
-        _args.check_bool(raise_on_timeout, "raise_on_timeout")
+        arguments.check_bool(raise_on_timeout, "raise_on_timeout")
     try:
-        _issue.run("barrier", group, start, deadline, _issue_barrier, BarrierOptions, str)
+        dispatch.run("barrier", group, start, deadline, _issue_barrier, BarrierOptions, str)
     except CollectiveTimeoutError:
         if raise_on_timeout:
             raise
@@ -145,17 +147,17 @@ def all_gather(
     start = _monotonic()
     deadline = effective_deadline(timeout, start)
     if not isinstance(tensor_list, list):
-        _args.check_tensor_list(tensor_list, "tensor_list")
+        arguments.check_tensor_list(tensor_list, "tensor_list")
     if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
-        _args.check_tensor(tensor, "tensor")
+        arguments.check_tensor(tensor, "tensor")
     if async_op is not False:
-        _args.check_bool(async_op, "async_op")
+        arguments.check_bool(async_op, "async_op")
     dtype = tensor.dtype
     for t in tensor_list:  # one pass: types (for the exact message), dtypes, layout
         if not isinstance(t, torch.Tensor):
-            _args.check_tensor_list(tensor_list, "tensor_list")
+            arguments.check_tensor_list(tensor_list, "tensor_list")
         if not t.is_contiguous():
-            _args.not_contiguous("tensor_list", t)
+            arguments.not_contiguous("tensor_list", t)
         if t.dtype != dtype:
             raise ValueError(f"tensor_list must hold tensors of tensor's dtype ({dtype}), got {t.dtype}")
     if tensor.is_complex():
@@ -170,14 +172,14 @@ def all_gather(
             )
         return pg.allgather([tensor_list], [tensor], opts)
 
-    work = _issue.run(
+    work = dispatch.run(
         "all_gather",
         group,
         start,
         deadline,
         issue,
         AllgatherOptions,
-        lambda: _args.sig(tensor, tensor_list),
+        lambda: arguments.sig(tensor, tensor_list),
         async_op,
     )
     return work if async_op else None
@@ -195,22 +197,22 @@ def all_reduce(
     start = _monotonic()
     deadline = effective_deadline(timeout, start)
     if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
-        _args.check_tensor(tensor, "tensor")
+        arguments.check_tensor(tensor, "tensor")
     if async_op is not False:
-        _args.check_bool(async_op, "async_op")
-    t = _args.real(tensor)
+        arguments.check_bool(async_op, "async_op")
+    t = arguments.real(tensor)
 
     def issue(pg: Any, opts: Any) -> Any:
         return pg.allreduce([t], opts)
 
-    work = _issue.run(
+    work = dispatch.run(
         "all_reduce",
         group,
         start,
         deadline,
         issue,
         AllreduceOptions,
-        lambda: f"{_args.sig(tensor)}, {op}",
+        lambda: f"{arguments.sig(tensor)}, {op}",
         async_op,
         (("reduceOp", op),),
     )
@@ -229,29 +231,29 @@ def reduce(
     """``torch.distributed.reduce`` with a deadline (``dst`` is a global rank)."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
-    _args.check_tensor(tensor, "tensor")
-    _args.check_rank(dst, "dst")
-    _args.check_bool(async_op, "async_op")
-    t = _args.real(tensor)
+    arguments.check_tensor(tensor, "tensor")
+    arguments.check_rank(dst, "dst")
+    arguments.check_bool(async_op, "async_op")
+    t = arguments.real(tensor)
 
     def issue(pg: Any, opts: Any) -> Any:
         opts = backend_options(
             ReduceOptions,
             deadline,
             current_time(),
-            (("reduceOp", op), ("rootRank", _args.group_rank(pg, dst, "dst")), ("rootTensor", 0)),
+            (("reduceOp", op), ("rootRank", arguments.group_rank(pg, dst, "dst")), ("rootTensor", 0)),
         )
         return pg.reduce([t], opts)
 
     return _result(
-        _issue.run(
+        dispatch.run(
             "reduce",
             group,
             start,
             deadline,
             issue,
             None,
-            lambda: f"{_args.sig(tensor)}, dst={dst}, {op}",
+            lambda: f"{arguments.sig(tensor)}, dst={dst}, {op}",
             async_op,
         ),
         async_op,
@@ -264,29 +266,29 @@ def broadcast(
     """``torch.distributed.broadcast`` with a deadline (``src`` is a global rank)."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
-    _args.check_tensor(tensor, "tensor")
-    _args.check_rank(src, "src")
-    _args.check_bool(async_op, "async_op")
-    t = _args.real(tensor)
+    arguments.check_tensor(tensor, "tensor")
+    arguments.check_rank(src, "src")
+    arguments.check_bool(async_op, "async_op")
+    t = arguments.real(tensor)
 
     def issue(pg: Any, opts: Any) -> Any:
         opts = backend_options(
             BroadcastOptions,
             deadline,
             current_time(),
-            (("rootRank", _args.group_rank(pg, src, "src")), ("rootTensor", 0)),
+            (("rootRank", arguments.group_rank(pg, src, "src")), ("rootTensor", 0)),
         )
         return pg.broadcast([t], opts)
 
     return _result(
-        _issue.run(
+        dispatch.run(
             "broadcast",
             group,
             start,
             deadline,
             issue,
             None,
-            lambda: f"{_args.sig(tensor)}, src={src}",
+            lambda: f"{arguments.sig(tensor)}, src={src}",
             async_op,
         ),
         async_op,
@@ -304,23 +306,23 @@ def all_gather_into_tensor(
     """``torch.distributed.all_gather_into_tensor`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
-    _args.check_tensor(output_tensor, "output_tensor")
-    _args.check_tensor(input_tensor, "input_tensor")
-    _args.check_bool(async_op, "async_op")
-    out, inp = _args.real(output_tensor), _args.real(input_tensor)
+    arguments.check_tensor(output_tensor, "output_tensor")
+    arguments.check_tensor(input_tensor, "input_tensor")
+    arguments.check_bool(async_op, "async_op")
+    out, inp = arguments.real(output_tensor), arguments.real(input_tensor)
 
     def issue(pg: Any, opts: Any) -> Any:
         return pg._allgather_base(out, inp, opts)
 
     return _result(
-        _issue.run(
+        dispatch.run(
             "all_gather_into_tensor",
             group,
             start,
             deadline,
             issue,
             AllgatherOptions,
-            lambda: _args.sig(output_tensor, input_tensor),
+            lambda: arguments.sig(output_tensor, input_tensor),
             async_op,
         ),
         async_op,
@@ -339,22 +341,22 @@ def reduce_scatter(
     """``torch.distributed.reduce_scatter`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
-    _args.check_tensor(output, "output")
-    _args.check_tensor_list(input_list, "input_list")
-    _args.check_bool(async_op, "async_op")
+    arguments.check_tensor(output, "output")
+    arguments.check_tensor_list(input_list, "input_list")
+    arguments.check_bool(async_op, "async_op")
 
     def issue(pg: Any, opts: Any) -> Any:
         return pg.reduce_scatter([output], [input_list], opts)
 
     return _result(
-        _issue.run(
+        dispatch.run(
             "reduce_scatter",
             group,
             start,
             deadline,
             issue,
             ReduceScatterOptions,
-            lambda: f"{_args.sig(output, input_list)}, {op}",
+            lambda: f"{arguments.sig(output, input_list)}, {op}",
             async_op,
             (("reduceOp", op),),
         ),
@@ -374,22 +376,22 @@ def reduce_scatter_tensor(
     """``torch.distributed.reduce_scatter_tensor`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
-    _args.check_tensor(output, "output")
-    _args.check_tensor(input, "input")
-    _args.check_bool(async_op, "async_op")
+    arguments.check_tensor(output, "output")
+    arguments.check_tensor(input, "input")
+    arguments.check_bool(async_op, "async_op")
 
     def issue(pg: Any, opts: Any) -> Any:
         return pg._reduce_scatter_base(output, input, opts)
 
     return _result(
-        _issue.run(
+        dispatch.run(
             "reduce_scatter_tensor",
             group,
             start,
             deadline,
             issue,
             ReduceScatterOptions,
-            lambda: f"{_args.sig(output, input)}, {op}",
+            lambda: f"{arguments.sig(output, input)}, {op}",
             async_op,
             (("reduceOp", op),),
         ),
@@ -463,14 +465,14 @@ def _rooted(
     start = current_time()
     deadline = effective_deadline(timeout, start)
     root_name, list_name = names
-    _args.check_tensor(tensor, "tensor")
-    _args.check_rank(root, root_name)
+    arguments.check_tensor(tensor, "tensor")
+    arguments.check_rank(root, root_name)
     if tensors is not None:
-        _args.check_tensor_list(tensors, list_name)
-    _args.check_bool(async_op, "async_op")
+        arguments.check_tensor_list(tensors, list_name)
+    arguments.check_bool(async_op, "async_op")
 
     def issue(pg: Any, _opts: Any) -> Any:
-        root_rank = _args.group_rank(pg, root, root_name)
+        root_rank = arguments.group_rank(pg, root, root_name)
         opts = backend_options(kind, deadline, current_time(), (("rootRank", root_rank),))
         if pg.rank() != root_rank:
             return call(pg, tensor, [], opts)
@@ -481,14 +483,14 @@ def _rooted(
         return call(pg, tensor, [tensors], opts)
 
     return _result(
-        _issue.run(
+        dispatch.run(
             op,
             group,
             start,
             deadline,
             issue,
             None,
-            lambda: f"{_args.sig(tensor)}, {root_name}={root}",
+            lambda: f"{arguments.sig(tensor)}, {root_name}={root}",
             async_op,
         ),
         async_op,
@@ -506,22 +508,22 @@ def all_to_all(
     """``torch.distributed.all_to_all`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
-    _args.check_tensor_list(output_tensor_list, "output_tensor_list")
-    _args.check_tensor_list(input_tensor_list, "input_tensor_list")
-    _args.check_bool(async_op, "async_op")
+    arguments.check_tensor_list(output_tensor_list, "output_tensor_list")
+    arguments.check_tensor_list(input_tensor_list, "input_tensor_list")
+    arguments.check_bool(async_op, "async_op")
 
     def issue(pg: Any, opts: Any) -> Any:
         return pg.alltoall(output_tensor_list, input_tensor_list, opts)
 
     return _result(
-        _issue.run(
+        dispatch.run(
             "all_to_all",
             group,
             start,
             deadline,
             issue,
             AllToAllOptions,
-            lambda: _args.sig(output_tensor_list, input_tensor_list),
+            lambda: arguments.sig(output_tensor_list, input_tensor_list),
             async_op,
         ),
         async_op,
@@ -541,24 +543,24 @@ def all_to_all_single(
     """``torch.distributed.all_to_all_single`` with a deadline."""
     start = current_time()
     deadline = effective_deadline(timeout, start)
-    _args.check_tensor(output, "output")
-    _args.check_tensor(input, "input")
-    _args.check_bool(async_op, "async_op")
+    arguments.check_tensor(output, "output")
+    arguments.check_tensor(input, "input")
+    arguments.check_bool(async_op, "async_op")
     out_splits = list(output_split_sizes or [])
     in_splits = list(input_split_sizes or [])
 
     def issue(pg: Any, opts: Any) -> Any:
-        return pg.alltoall_base(_args.real(output), _args.real(input), out_splits, in_splits, opts)
+        return pg.alltoall_base(arguments.real(output), arguments.real(input), out_splits, in_splits, opts)
 
     return _result(
-        _issue.run(
+        dispatch.run(
             "all_to_all_single",
             group,
             start,
             deadline,
             issue,
             AllToAllOptions,
-            lambda: f"{_args.sig(output, input)}, {out_splits}, {in_splits}",
+            lambda: f"{arguments.sig(output, input)}, {out_splits}, {in_splits}",
             async_op,
         ),
         async_op,
@@ -581,42 +583,42 @@ def _p2p(
 ) -> Any:
     start = current_time()
     deadline = effective_deadline(timeout, start)
-    _args.check_tensor(tensor, "tensor")
+    arguments.check_tensor(tensor, "tensor")
     name = "dst" if op in ("send", "isend") else "src"
     if peer is not None or name == "dst":
-        _args.check_rank(peer, name)
+        arguments.check_rank(peer, name)
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"tag must be an int, got {type(tag).__name__}: {tag!r}")
-    t = _args.real(tensor)
+    t = arguments.real(tensor)
     sender: list[Any] = []
 
     def issue(pg: Any, _opts: Any) -> Any:
         if op in ("send", "isend"):
             assert peer is not None  # checked above
-            return pg.send([t], _args.group_rank(pg, peer, name), tag)
+            return pg.send([t], arguments.group_rank(pg, peer, name), tag)
         if peer is None:
             w = pg.recv_anysource([t], tag)
             sender.append(w)
             return w
-        return pg.recv([t], _args.group_rank(pg, peer, name), tag)
+        return pg.recv([t], arguments.group_rank(pg, peer, name), tag)
 
-    work = _issue.run(
+    work = dispatch.run(
         op,
         group,
         start,
         deadline,
         issue,
         None,
-        lambda: f"{_args.sig(tensor)}, {name}={peer}, tag={tag}",
+        lambda: f"{arguments.sig(tensor)}, {name}={peer}, tag={tag}",
         async_op,
     )
     if async_op or work is None:
         return work
     if op == "recv":
         if sender:
-            pg = _groups.resolve(group)
+            pg = pgstate.resolve(group)
             src_group_rank = sender[0]._source_rank()
-            st = _groups.state_of(pg)
+            st = pgstate.state_of(pg)
             return st.global_rank(src_group_rank)
         return peer
     return None

@@ -7,6 +7,8 @@ timeout error is also a builtin :class:`TimeoutError`, so ``except TimeoutError`
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -359,3 +361,32 @@ class GroupAbortedError(FastdistError):
             f"{self.op} on group {self.group!r} on rank {self.rank}: the group is aborted "
             f"({self.reason}); {_next_step(self.reason)}"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# The most recent faults, (time.monotonic(), error): torch re-wraps some errors on their way up
+# (autograd) into a plain RuntimeError; a deadline scope gives back the typed one.
+
+_recent: list[tuple[float, BaseException]] = []
+_RECENT_KEPT = 8
+
+
+def remember(err: BaseException) -> None:
+    """Records a fault's error as raised to its waiters (a copy: the raised one gets a traceback,
+    and with it the frames of the failed call, which would live on here)."""
+    _recent.append((time.monotonic(), err))
+    del _recent[:-_RECENT_KEPT]
+
+
+def typed_error_for(exc: BaseException, since: float) -> BaseException | None:
+    """The fastdist error behind ``exc`` (a RuntimeError torch made of it on its way up), if a
+    fault was delivered since ``since`` (a time.monotonic() value)."""
+    if isinstance(exc, FastdistError):
+        return None
+    for t, err in reversed(_recent):
+        if t >= since and str(err) in str(exc):
+            return copy.copy(err)
+    for t, err in reversed(_recent):
+        if t >= since:
+            return copy.copy(err)
+    return None

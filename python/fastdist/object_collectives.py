@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from . import _groups
-from ._args import check_rank as _check_rank
-from ._timeouts import DeadlineScope, TimeoutLike, current_time, effective_deadline
 from .collectives import all_gather, broadcast, gather, scatter
+from .deadlines import DeadlineScope, TimeoutLike, current_time, effective_deadline
+from .groups import pgstate
+from .ops.arguments import check_rank as _check_rank
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
 
@@ -52,7 +52,7 @@ def all_gather_object(
     ``object_list[i]`` becomes rank i's ``obj``."""
     scope = _scope(timeout)
     _check_list(object_list, "object_list")
-    pg = _groups.resolve(group)
+    pg = pgstate.resolve(group)
     if pg is None:
         return
     ws = pg.size()
@@ -84,11 +84,11 @@ def gather_object(
     _check_rank(dst, "dst")
     if object_gather_list is not None:
         _check_list(object_gather_list, "object_gather_list")
-    pg = _groups.resolve(group)
+    pg = pgstate.resolve(group)
     if pg is None:
         return
     ws = pg.size()
-    st = _groups.state_of(pg)
+    st = pgstate.state_of(pg)
     is_dst = st.my_global_rank == dst
     if is_dst and (object_gather_list is None or len(object_gather_list) != ws):
         raise ValueError(f"object_gather_list must have one slot per rank of the group ({ws}) on dst")
@@ -112,10 +112,10 @@ def broadcast_object_list(
     scope = _scope(timeout)
     _check_list(object_list, "object_list")
     _check_rank(src, "src")
-    pg = _groups.resolve(group)
+    pg = pgstate.resolve(group)
     if pg is None:
         return
-    is_src = _groups.state_of(pg).my_global_rank == src
+    is_src = pgstate.state_of(pg).my_global_rank == src
     if is_src:
         parts = [_to_bytes_tensor(o) for o in object_list]
         sizes = torch.tensor([p.numel() for p in parts], dtype=torch.long)
@@ -147,11 +147,11 @@ def scatter_object_list(
     if len(scatter_object_output_list) < 1:
         raise ValueError("scatter_object_output_list must have at least one slot")
     _check_rank(src, "src")
-    pg = _groups.resolve(group)
+    pg = pgstate.resolve(group)
     if pg is None:
         return
     ws = pg.size()
-    is_src = _groups.state_of(pg).my_global_rank == src
+    is_src = pgstate.state_of(pg).my_global_rank == src
     if is_src:
         if scatter_object_input_list is None or len(scatter_object_input_list) != ws:
             raise ValueError(

@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import torch.distributed.rpc as _rpc
 
-from ._timeouts import TimeoutLike, current_time, effective_deadline, run_timeout_handler, validate_seconds
-from ._work import wait_until
+from .deadlines import TimeoutLike, current_time, effective_deadline, run_timeout_handler, validate_seconds
 from .errors import RpcTimeoutError
+from .ops.work import wait_until
 
 __all__ = ["RRef", "RpcFuture", "init_rpc", "remote", "rpc_async", "rpc_sync", "shutdown"]
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._timeouts import fail_at
+from ..deadlines import fail_at
 
 # A chunk on the wire: large enough that per-op costs vanish, small enough that a joiner that
 # dies mid-transfer is noticed within one chunk's time.

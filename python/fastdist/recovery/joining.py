@@ -24,80 +24,18 @@ import datetime
 import importlib
 import os
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _keys, _watched
-
-RUNNING = "running"
-END = "end"
+from .._native import _watched
+from ..store import job
 
 _lock = threading.Lock()
 # Set between a joiner's init_process_group and its sync_state.
 _pending = False
-
-
-def running_key() -> str:
-    return _keys.key(RUNNING)
-
-
-def spare_key(launch_rank: int) -> str:
-    """Where the spare launched as ``launch_rank`` learns the rank it takes (or "end")."""
-    return _keys.key("spare", launch_rank)
-
-
-def dead_key(rank: int) -> str:
-    """The launcher's record of how ``rank``'s process ended."""
-    return _keys.key("dead", rank)
-
-
-def deaths_key() -> str:
-    """Every death the launcher saw, one JSON record a line (rank, how, pid, time)."""
-    return _keys.key("deaths")
-
-
-# Set by fastdist run in its workers' environment: a launcher that records deaths in the store.
-LAUNCHER_ENV = "FASTDIST_RUN"
-_DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
-_job_store: Any = None
-
-
-def set_job_store(store: Any) -> None:
-    global _job_store
-    _job_store = store
-
-
-def deaths_since(since: float, ranks: list[int], wait: float) -> dict[int, str]:
-    """How each of ``ranks`` that died at or after ``since`` (a time.time()) ended, as
-    ``fastdist run``'s agent recorded it ("exit by SIGKILL"), waiting up to ``wait`` seconds for
-    a record (the agent sees a death within its monitor interval, 0.1 s by default). Empty
-    without such a launcher."""
-    store = _job_store
-    if store is None or os.environ.get(LAUNCHER_ENV) != "1":
-        return {}
-    end = time.monotonic() + wait
-    while True:
-        found: dict[int, str] = {}
-        if store.check([deaths_key()]):
-            for line in bytes(store.get(deaths_key())).decode(errors="replace").splitlines():
-                rec: Any = _keys.parse_record(line, _DEATH_FIELDS)
-                if rec is not None and rec["rank"] in ranks and rec["time"] >= since - 1.0:
-                    found[rec["rank"]] = rec["how"]
-        if found or time.monotonic() >= end:
-            return found
-        time.sleep(0.02)
-
-
-def job_running(store: Any) -> bool:
-    return bool(store.check([running_key()]))
-
-
-def mark_running(store: Any) -> None:
-    store.set(running_key(), "1")
 
 
 def spares_arg(spares: Any) -> int:
@@ -117,11 +55,11 @@ def spares_arg(spares: Any) -> int:
 def wait_for_vacancy(store: Any, launch_rank: int) -> int:
     """Blocks until the launcher gives this spare a dead rank's place; returns that rank. Exits the
     process with status 0 when the job ends without needing it."""
-    key = spare_key(launch_rank)
+    key = job.spare_key(launch_rank)
     _warm_up()
     store.wait([key], datetime.timedelta(days=3650))
     value = bytes(store.get(key)).decode()
-    if value == END:
+    if value == job.END:
         raise SystemExit(0)
     return int(value)
 

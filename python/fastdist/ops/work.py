@@ -4,7 +4,7 @@ A torch ``Work`` (or ``torch.futures.Future``) is tied to an engine token: the f
 done-callback is the token's notifier (a small C++ object), so a waiter blocked in C++ (GIL
 released) wakes the moment the work ends, without polling, or when the engine expires the token
 at the deadline. gloo's point-to-point work has no future; it is waited on with torch's own
-GIL-free bounded wait. (NCCL's futures complete at enqueue time: see _polled.)
+GIL-free bounded wait. (NCCL's futures complete at enqueue time: see polled.)
 
 Work abandoned at its deadline is still in flight, and its done-callback is Python code that
 torch will run on a backend thread when the work finally ends. If that happened during
@@ -17,7 +17,6 @@ the backend its own timeout are built by :func:`backend_options`.
 from __future__ import annotations
 
 import abc
-import atexit
 import contextlib
 import datetime
 import logging
@@ -29,9 +28,10 @@ import time
 import weakref
 from typing import Any, Callable, NoReturn
 
-from . import _core, _verdict, _watched
-from ._timeouts import current_time, engine, run_timeout_handler
-from .errors import CollectiveTimeoutError
+from .._native import _core, _watched
+from ..deadlines import current_time, engine, run_timeout_handler
+from ..diagnostics import verdict
+from ..errors import CollectiveTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +39,8 @@ COMPLETED = _core.COMPLETED
 EXPIRED = _core.EXPIRED
 PENDING = _core.PENDING
 
-# How long interpreter exit waits, in all, for abandoned work to end.
-EXIT_DRAIN_SECONDS = 2.0
-# How long interpreter exit lets backend threads finish releasing ops that just completed.
-EXIT_SETTLE_SECONDS = 0.05
-
 _abandoned: list[Callable[[], Any]] = []  # weak references to abandoned done-callbacks
 _abandoned_lock = threading.Lock()
-_exit_hook_registered = False
 
 
 def future_of(work: Any) -> Any | None:
@@ -67,8 +61,6 @@ def watch(
     """A token for ``work``: completed by the work's done-callback, expired at ``deadline``.
     Also returns that callback (None when the work has no future: then nothing completes the
     token, and the caller must)."""
-    if not _exit_hook_registered:
-        _register_exit_hook()
     token = engine().add(deadline, on_expire)
     fut = future_of(work)
     if fut is None:
@@ -120,7 +112,7 @@ def wait_posted(work: Any, limit: float) -> bool:
             work.wait(datetime.timedelta(seconds=min(left, 1e9)))
             return True
         except RuntimeError as exc:
-            if _verdict.classify(exc) != _verdict.TIMEOUT:
+            if verdict.classify(exc) != verdict.TIMEOUT:
                 raise
             return False
     return bool(work.is_completed())
@@ -137,29 +129,14 @@ def abandon(token: _core.Token, callback_ref: Callable[[], Any] | None) -> None:
         _abandoned.append(callback_ref)
 
 
-def _register_exit_hook() -> None:
-    global _exit_hook_registered
-    with _abandoned_lock:
-        if not _exit_hook_registered:
-            atexit.register(_at_exit)
-            _exit_hook_registered = True
-
-
-def _at_exit() -> None:
-    # A backend thread that needs the GIL once finalization has begun is killed inside C++, and
-    # the process aborts ("terminate called without an active exception"). Two such moments:
-    # - right after calling a done-callback, torch drops it: for work abandoned at a deadline that
-    #   can be any time later, so wait (bounded, GIL free) until torch let go of each callback;
-    # - right after completing an op, gloo's worker destroys it, dropping the last reference to
-    #   tensors whose Python objects may need the GIL: a waiter that wakes on completion and
-    #   exits at once can beat it, so give the worker threads a moment to settle.
-    time.sleep(EXIT_SETTLE_SECONDS)
-    end = current_time() + EXIT_DRAIN_SECONDS
+def drain_abandoned(end: float) -> None:
+    """At exit: waits (GIL free) until ``end`` (time.monotonic()) for torch to let go of the
+    done-callback of every op abandoned at its deadline (fastdist.shutdown)."""
     with _abandoned_lock:
         pending = list(_abandoned)
         _abandoned.clear()
     for ref in pending:
-        while ref() is not None and current_time() < end:
+        while ref() is not None and time.monotonic() < end:
             time.sleep(0.001)
 
 

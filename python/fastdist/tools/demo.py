@@ -20,14 +20,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fastdist
+
+from ..examples.train_ddp import compare
 
 _PREFIX = "fastdist_demo"
 
@@ -56,10 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_kill(args: argparse.Namespace) -> int:
     """Two launches of the example script under ``fastdist run``: undisturbed, then with rank 1
     SIGKILLed in its backward at step 5. Prints the second launch's output and the comparison."""
-    import socket
-
-    from .examples.train_ddp import compare
-
     nproc = max(args.nproc, 2)
     steps = 20
     out = tempfile.mkdtemp(prefix="fastdist_demo_")
@@ -139,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     logs = [tempfile.TemporaryFile() for _ in range(args.nproc)]  # noqa: SIM115 - closed below
     try:
         for rank in range(args.nproc):
-            cmd = [sys.executable, "-m", "fastdist.demo", str(rank), str(args.nproc), str(store.port)]
+            cmd = [sys.executable, "-m", "fastdist.tools.demo", str(rank), str(args.nproc), str(store.port)]
             cmd += [str(args.timeout), str(hang), str(args.rounds)]
             procs.append(subprocess.Popen(cmd, stdout=logs[rank], stderr=subprocess.STDOUT))
         # Every rank imports torch (~1 s each on a small machine) before the clock starts.
@@ -197,13 +202,6 @@ def _summarize(results: dict[int, dict[str, Any] | None], nproc: int, hang: int,
 
 
 def _rank_main(rank: int, world_size: int, port: int, timeout: float, hang: int, rounds: int) -> None:
-    import logging
-
-    import torch
-    import torch.distributed as dist
-
-    import fastdist
-
     # The library's own warnings ("group 'default' is aborted: ...") go with this rank's output,
     # in order, marked as the library's.
     logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="  (fastdist log) %(message)s")

@@ -5,7 +5,7 @@ A public function (fastdist.collectives) checks its arguments, computes its dead
 ``fastdist.init_process_group``) that is thin: the deadline, torch's op on the group, then the
 wait; the watched backend (fastdist._watched, chosen per group when the group was made: a future's
 completion, a polled completion query for NCCL, or a posted op with no future for gloo's
-send/recv) numbers, bounds and reports the op. Any other group goes through fastdist._unwatched.
+send/recv) numbers, bounds and reports the op. Any other group goes through fastdist.ops.unwatched.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
-from . import _checks, _core, _groups, _unwatched, _watched
-from ._timeouts import TimeoutLike, current_time, effective_deadline
-from ._work import Work, backend_options
-from .errors import FastdistError
+from .._native import _core, _watched
+from ..deadlines import TimeoutLike, current_time, effective_deadline
+from ..errors import FastdistError
+from ..groups import checks, pgstate
+from . import unwatched
+from .work import Work, backend_options
 
 _world = dist.distributed_c10d._world
 _monotonic = _core.monotonic
@@ -45,21 +47,21 @@ def run(
     (its per-call timeout and ``fields`` are set here), or None when ``issue`` builds its own."""
     # Every collective's hot path: few Python calls. Each microsecond here costs several in a
     # collective's latency when ranks share cores.
-    pg = _world.default_pg if group is None else _groups.resolve(group)
+    pg = _world.default_pg if group is None else pgstate.resolve(group)
     if pg is None:
         if group is None:
-            _groups.resolve(None)  # raises: the default group is not initialized
+            pgstate.resolve(None)  # raises: the default group is not initialized
         return None
-    st = _groups.state_of(pg)
+    st = pgstate.state_of(pg)
     if st.watched is not None:
         return _run_watched(op, pg, st, start, deadline, issue, kind, signature, async_op, fields)
-    return _unwatched.run(op, pg, st, start, deadline, issue, kind, signature, async_op, fields)
+    return unwatched.run(op, pg, st, start, deadline, issue, kind, signature, async_op, fields)
 
 
 def _run_watched(
     op: str,
     pg: Any,
-    st: _groups.GroupState,
+    st: pgstate.GroupState,
     start: float,
     deadline: float,
     issue: Callable[[Any, Any], Any],
@@ -70,12 +72,12 @@ def _run_watched(
 ) -> Any:
     """A watched group's op: the deadline, torch's op on the group, then the wait. The watched
     backend numbers the op, enforces the deadline, gives gloo its per-call timeout, and raises
-    the typed error (with the report) from the wait; see fastdist._watch."""
-    if _checks.active:
+    the typed error (with the report) from the wait; see fastdist.ops.watching."""
+    if checks.active:
         # Checked calls are numbered apart from the backend's ops: a call refused for a mismatch
         # issues no op, on every rank.
         st.seq += 1
-        if not _checks.verify(st, op, st.seq, f"{op}({signature()})", deadline):
+        if not checks.verify(st, op, st.seq, f"{op}({signature()})", deadline):
             deadline = min(deadline, _monotonic())  # the backend reports the timeout, with the report
     me = _get_ident()
     owner = st.owner
@@ -100,7 +102,7 @@ def _run_watched(
     return work
 
 
-def _concurrent_use(st: _groups.GroupState, op: str, owner: int, me: int) -> NoReturn:
+def _concurrent_use(st: pgstate.GroupState, op: str, owner: int, me: int) -> NoReturn:
     # Two threads in blocking calls on one group at once interleave their ops differently on
     # each rank: gloo then pairs the wrong ops and the results are silently wrong (or the process
     # aborts). Collectives torch issues on its own threads (autograd, DDP, FSDP2) do not come here.

@@ -31,21 +31,21 @@ import threading
 import time
 from typing import Any
 
-from . import _keys
-from ._timeouts import RendezvousTimeout, current_time, validate_seconds
-from .errors import RendezvousClosedError, RendezvousConnectionError, RendezvousTimeoutError
+import torch
+
+from .._version import __version__
+from ..deadlines import RendezvousTimeout, current_time, validate_seconds
+from ..errors import RendezvousClosedError, RendezvousConnectionError, RendezvousTimeoutError
+from . import keys
+from .etcd import EtcdStore
 
 logger = logging.getLogger(__name__)
 
 RESOLVE_TIMEOUT = 1.0
-VERSION_KEY = _keys.key("rdzv", "version")
+VERSION_KEY = keys.key("rdzv", "version")
 
 
 def versions() -> dict[str, Any]:
-    import torch
-
-    from ._version import __version__
-
     return {"torch": torch.__version__, "fastdist": __version__, "python": sys.version.split()[0]}
 
 
@@ -211,8 +211,6 @@ def connect_etcd(
     probing each as :func:`connect_store` does (resolve, then a plain connect) and retrying
     ``retries`` times with backoff. Raises :class:`RendezvousConnectionError` naming every
     endpoint's cause (``cause``: the first endpoint's)."""
-    from .etcd import EtcdStore
-
     budget = validate_seconds(connect_timeout, "connect_timeout")
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
         raise ValueError(f"retries must be a non-negative int or None, got {retries!r}")
@@ -268,7 +266,7 @@ def check_versions(store: Any, rank: int, world_size: int, host: str, port: int,
         return
     t0 = time.monotonic()
     store.wait([VERSION_KEY], datetime.timedelta(seconds=timeout))
-    theirs = _keys.parse_record(store.get(VERSION_KEY), VERSION_FIELDS)
+    theirs = keys.parse_record(store.get(VERSION_KEY), VERSION_FIELDS)
     if theirs is None:
         raise RendezvousConnectionError(
             cause="invalid_record",
@@ -311,7 +309,7 @@ def rendezvous(
     rank: int,
     world_size: int,
     rdzv: RendezvousTimeout,
-    prefix: str = _keys.key("rdzv"),
+    prefix: str = keys.key("rdzv"),
     hosts_store: bool = False,
 ) -> None:
     """Every rank announces itself in ``store`` and waits for the others, within ``rdzv``:

@@ -20,7 +20,6 @@ so fastdist cannot wait on a done-callback there. Instead it asks the work itsel
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import math
@@ -32,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._timeouts import engine, run_timeout_handler
-from ._work import COMPLETED, PENDING, exit_process
+from ..deadlines import engine, run_timeout_handler
+from .work import COMPLETED, PENDING, exit_process
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +123,7 @@ class Reaper:
         return done
 
     def stop(self, timeout: float = 1.0) -> None:
-        """Ends the thread and drops the works it watched. Runs at exit (see _at_exit), before
+        """Ends the thread and drops the works it watched. Runs at exit (fastdist.shutdown), before
         the interpreter finalizes: a daemon thread still holding works then (and waking from
         its sleep into a finalizing interpreter) made the process abort in torch's C++."""
         with self._lock:
@@ -263,12 +262,12 @@ _aborts: set[_PendingAbort] = set()
 _GUARD_GRACE_SECONDS = 5.0
 
 
-@atexit.register
-def _at_exit() -> None:
-    # Before the interpreter finalizes: a thread still inside torch's abort then would be killed
-    # as it takes the GIL back, and the process would abort; so would the reaper's, holding works.
+def stop() -> None:
+    """At exit, before the interpreter finalizes: a thread still inside torch's abort then would be
+    killed as it takes the GIL back, and the process would abort; so would the reaper's, holding
+    works. Each abort's own deadline bounds the wait."""
     reaper.stop()
-    if not wait_aborts():  # each abort's own deadline bounds this
+    if not wait_aborts():
         logger.warning("fastdist: exiting while torch is still aborting communicators")
 
 

@@ -1,7 +1,7 @@
 """What a failed op on a group means: the typed error a caller gets.
 
-One place for both kinds of group: watched ones (fastdist._watch builds the error once per fault,
-called from C++) and groups fastdist does not watch (fastdist._unwatched). The report itself, who
+One place for both kinds of group: watched ones (fastdist.ops.watching builds the error once per fault,
+called from C++) and groups fastdist does not watch (fastdist.ops.unwatched). The report itself, who
 arrived and who did not, is fastdist.diagnostics.
 """
 
@@ -11,9 +11,11 @@ import math
 import time
 from typing import Any
 
-from . import _groups, diagnostics, joining
-from ._timeouts import current_time
-from .errors import CollectiveTimeoutError, GroupAbortedError
+from ..deadlines import current_time
+from ..errors import CollectiveTimeoutError, GroupAbortedError
+from ..groups import pgstate
+from ..store import job
+from . import board
 
 # How long it waits for fastdist run's record of a death (its agent polls every 0.1 s).
 DEATH_WAIT = 0.5
@@ -49,12 +51,12 @@ def first_line(exc: BaseException | str) -> str:
 
 
 def timeout_error(
-    st: _groups.GroupState,
+    st: pgstate.GroupState,
     op: str,
     seq: int | None,
     start: float,
     deadline: float,
-    rep: diagnostics.Report | None,
+    rep: board.Report | None,
     last_seen: str | None,
     cause: str | None,
 ) -> CollectiveTimeoutError:
@@ -78,7 +80,7 @@ def timeout_error(
 
 def peer_closed(
     pg: Any,
-    st: _groups.GroupState,
+    st: pgstate.GroupState,
     op: str,
     seq: int,
     start: float,
@@ -88,34 +90,34 @@ def peer_closed(
 ) -> BaseException:
     """A peer closed the group under op ``seq``: it timed out first (then this is a timeout too,
     unless this rank only arrived after that: a straggler), or it died. Marks the group dead."""
-    _groups.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
+    pgstate.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
     started_wall = time.time() - (current_time() - start)
     # Under fastdist run the agent records a death within its monitor interval: a dead rank is
     # named at once, with how it ended, instead of waited for by the report.
-    dead = joining.deaths_since(started_wall, st.global_ranks or [], DEATH_WAIT)
+    dead = job.deaths_since(started_wall, st.global_ranks or [], DEATH_WAIT)
     if dead:
         who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
         # The ranks not connected to the dead one would wait for their deadline: ring them.
-        diagnostics.announce(st, op, seq, "aborted", dead=who, dead_ranks=list(dead))
+        board.announce(st, op, seq, "aborted", dead=who, dead_ranks=list(dead))
         reason = f"{who}; {op} #{seq} failed: {text}"
-        _groups.mark_dead(pg, reason, replace=True)
-        _groups.presume_gone(st, list(dead))
+        pgstate.mark_dead(pg, reason, replace=True)
+        pgstate.presume_gone(st, list(dead))
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     # The report rings every live rank at once (they answer within its window), and a peer that
     # timed out posted before it closed the group: no need to wait for this op's deadline too
     # (a dead rank's peers did, 3.3 s for a 3 s step, before the ring existed).
-    rep = diagnostics.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0)
-    cause, why = diagnostics.peer_closed_verdict(rep, started_wall)
-    if rep is None and diagnostics.store_failure is not None:
-        why = diagnostics.store_gone_reason()
+    rep = board.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0)
+    cause, why = board.peer_closed_verdict(rep, started_wall)
+    if rep is None and board.store_failure is not None:
+        why = board.store_gone_reason()
     if cause is not None:
         assert rep is not None  # a cause comes from a report's timed-out ranks
-        _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {min(rep.timed_out)}", replace=True)
+        pgstate.mark_dead(pg, f"{op} #{seq} timed out on rank {min(rep.timed_out)}", replace=True)
         return timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
     reason = f"{why}; {op} #{seq} failed: {text}"
-    _groups.mark_dead(pg, reason, replace=True)
+    pgstate.mark_dead(pg, reason, replace=True)
     if rep is not None and rep.missing and not rep.timed_out:
         # They closed their connections and did not answer the ring: gone. A recovery that may
         # shrink does not wait for them (see fastdist.recovery).
-        _groups.presume_gone(st, rep.missing)
+        pgstate.presume_gone(st, rep.missing)
     return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)

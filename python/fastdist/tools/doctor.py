@@ -11,7 +11,8 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
-from . import _keys, rendezvous
+from ..store import keys, rendezvous
+from ..store.etcd import parse_url
 
 
 @dataclass
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # Inside a torchrun worker the agent holds MASTER_PORT and every worker connects as a client:
     # rank 0 included, so the port must be listening, not free.
-    in_worker = _keys.agent_hosts_store()
+    in_worker = keys.agent_hosts_store()
     parser.add_argument(
         "--rank",
         type=int,
@@ -160,7 +161,7 @@ def _version_check(ip: str, port: int, world_size: int | None, timeout: float) -
             f"torch {mine['torch']}, fastdist {mine['fastdist']}, Python {mine['python']} "
             "(rank 0 has published none to compare with)",
         )
-    theirs = _keys.parse_record(store.get(rendezvous.VERSION_KEY), rendezvous.VERSION_FIELDS)
+    theirs = keys.parse_record(store.get(rendezvous.VERSION_KEY), rendezvous.VERSION_FIELDS)
     if theirs is None:
         return Check(
             "versions",
@@ -188,7 +189,6 @@ def run_etcd_checks(url: str, timeout: float) -> list[Check]:
     """Per endpoint of an etcd:// store: resolve, reach, and a read round trip with the server's
     version and its cluster's leader. Ready when at least one endpoint answers (the job moves on
     to the next one while one cannot be reached); every endpoint that cannot is a FAIL line."""
-    from .etcd import parse_url
 
     endpoints, job, _ttl = parse_url(url)
     checks: list[Check] = []

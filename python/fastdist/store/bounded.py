@@ -12,7 +12,6 @@ bounded in the same way.
 
 from __future__ import annotations
 
-import atexit
 import math
 import threading
 import time
@@ -30,15 +29,12 @@ _blocked = 0  # helpers given up on and still blocked in a store call
 _blocked_lock = threading.Lock()
 
 
-# At exit: a helper that returns from its store call while the interpreter finalizes is killed
-# inside C++, and the process aborts ("terminate called without an active exception"). The
-# network may have come back (then the call returns within one TCP retransmission): wait for it.
-EXIT_DRAIN_SECONDS = 15.0
-
-
-@atexit.register
-def _drain() -> None:
-    end = time.monotonic() + EXIT_DRAIN_SECONDS
+def drain(end: float) -> None:
+    """At exit: waits until ``end`` (time.monotonic()) for the store calls given up on or handed
+    to the closer thread. A helper that returns from its store call while the interpreter
+    finalizes is killed inside C++, and the process aborts ("terminate called without an active
+    exception"); the network may have come back (then the call returns within one TCP
+    retransmission)."""
     while (_blocked > 0 or _in_calls > 0) and time.monotonic() < end:
         time.sleep(0.01)
 

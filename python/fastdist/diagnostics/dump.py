@@ -18,6 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..groups import registry
+from . import stacks
+
 _LAST_OPS = 5
 
 
@@ -27,11 +30,9 @@ def write(st: Any, pg: Any, err: BaseException) -> str | None:
     root = os.environ.get("FASTDIST_DUMP_DIR")
     if not root:
         return None
-    from . import _bell, _watch
-
     try:
         threads = {
-            str(t.ident): {"name": t.name, "stack": _bell.stack_of(t.ident or 0)}
+            str(t.ident): {"name": t.name, "stack": stacks.stack_of(t.ident or 0)}
             for t in threading.enumerate()
         }
         record = {
@@ -44,7 +45,7 @@ def write(st: Any, pg: Any, err: BaseException) -> str | None:
             "error": str(err),
             "missing_ranks": getattr(err, "missing_ranks", None),
             "stacks": {str(k): v for k, v in (getattr(err, "stacks", None) or {}).items()},
-            "history": _watch.history(pg),
+            "history": registry.history(pg),
             "threads": threads,
         }
         Path(root).mkdir(parents=True, exist_ok=True)

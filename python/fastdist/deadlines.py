@@ -9,7 +9,6 @@ that of every enclosing scope.
 
 from __future__ import annotations
 
-import atexit
 import contextvars
 import datetime
 import math
@@ -20,7 +19,8 @@ import time
 import types
 from typing import Any, Callable, Union
 
-from . import _core, _watched
+from ._native import _core, _watched
+from .errors import typed_error_for
 
 __all__ = [
     "DeadlineScope",
@@ -57,22 +57,15 @@ def engine() -> _core.Engine:
         with _engine_lock:
             if _engine is None:
                 _engine = _core.default_engine()
-                atexit.register(_flush_at_exit)
             eng = _engine
     return eng
 
 
-# At exit: an action that runs while the interpreter finalizes is killed inside C++ when it needs
-# the GIL, and the process aborts ("terminate called without an active exception"). Actions due
-# by then (a recovery agreement's closer whose deadline came with the exit, say) run first,
-# bounded; the store work they hand to fastdist's closer thread is then waited for by the exit
-# drain (fastdist._bounded).
-EXIT_FLUSH_SECONDS = 2.0
-
-
-def _flush_at_exit() -> None:
+def flush_engine(seconds: float) -> None:
+    """At exit: runs the engine's actions due by now, bounded by ``seconds`` (an action that runs
+    while the interpreter finalizes is killed inside C++ when it needs the GIL)."""
     if _engine is not None:
-        _engine.flush(EXIT_FLUSH_SECONDS)
+        _engine.flush(seconds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,15 +200,10 @@ class _Scope(DeadlineScope):
             )
         _pop_scope()
         _scope_deadline.reset(self._reset)
-        if (
-            exc_type is not None
-            and exc is not None
-            and issubclass(exc_type, RuntimeError)
-            and _typed_error_for is not None
-        ):
+        if exc_type is not None and exc is not None and issubclass(exc_type, RuntimeError):
             # torch re-wraps some errors on their way up (autograd): give back the typed one,
             # chained to what torch raised.
-            typed = _typed_error_for(exc, self._since)
+            typed = typed_error_for(exc, self._since)
             if typed is not None:
                 raise typed from exc
 
@@ -280,10 +268,6 @@ class _Relative(_Scope):
 
 
 _now = _core.monotonic
-
-
-# Set by fastdist._watch: finds the fastdist error behind an exception torch re-wrapped.
-_typed_error_for: Callable[[BaseException, float], BaseException | None] | None = None
 
 
 # ---------------------------------------------------------------------------------------------

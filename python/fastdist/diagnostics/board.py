@@ -3,7 +3,7 @@
 Nothing here runs on the fast path: a healthy collective never touches the store. When a
 collective times out (or a peer closes the group), each rank that noticed posts one status record
 for the group's current generation (the op and sequence number it is in) to the group's store.
-The first one to post also rings every other live rank of the group (fastdist._bell): each of
+The first one to post also rings every other live rank of the group (fastdist.diagnostics.listener): each of
 them posts where it is (the op it is in, if any, and the Python stack of the thread that issued
 it, or of its main thread) and ends its own op on the group at once. Then each reporting rank
 waits, without polling, until every rank has posted or the window has passed:
@@ -36,12 +36,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import _keys
-from ._bounded import GRACE_SECONDS, StoreUnanswered, bounded
-from ._timeouts import current_time
+from ..deadlines import current_time
+from ..groups import registry
+from ..store import keys, keywait
+from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded
+from . import ring
 
 if TYPE_CHECKING:
-    from ._groups import GroupState
+    from ..groups.pgstate import GroupState
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ def window(budget: float, size: int = 2) -> float:
 
 
 def _prefix(st: GroupState) -> str:
-    return _keys.key("diag", st.name, st.generation)
+    return keys.key("diag", st.name, st.generation)
 
 
 # (group name, generation) pairs this process has posted its status for: once each, so that the
@@ -121,13 +123,11 @@ WAITS_KEPT = 16
 def waits(st: GroupState) -> list[list[int]]:
     """This rank's last completed ops on the group as ``[seq, microseconds from issue to end]``
     pairs, from the watched backend's history ring (empty for a group fastdist does not watch)."""
-    from . import _watch
-
     pg = st.ref()
     if pg is None:
         return []
     try:
-        done = [r for r in _watch.history(pg) if r["outcome"] == "ok" and r["end"] is not None]
+        done = [r for r in registry.history(pg) if r["outcome"] == "ok" and r["end"] is not None]
         recent = done[-WAITS_KEPT:]
         return [[int(r["seq"]), round((float(r["end"]) - float(r["start"])) * 1e6)] for r in recent]
     except Exception as exc:  # noqa: BLE001 - a hint must never cost the report itself
@@ -211,8 +211,6 @@ def announce(
     """Claims the group's fault for this rank (``state``: why it left ``op`` #``seq``; ``dead``:
     which peers are known dead, and how) and rings the other ranks, without waiting for their
     answers; bounded by ANNOUNCE_SECONDS."""
-    from . import _bell
-
     store = st.store
     if store is None or st.size <= 1:
         return
@@ -225,7 +223,7 @@ def announce(
     def work(_abandoned: threading.Event) -> None:
         mine = json.dumps(me)
         if store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
-            _bell.ring(st, me)
+            ring.ring(st, me)
 
     try:
         bounded(work, ANNOUNCE_SECONDS, "ringing the group")
@@ -246,10 +244,8 @@ def report(
     group's other ranks if no one has yet, and collects everyone's status for the window after
     now, or after ``until`` (a ``time.monotonic()`` value) when given. ``None`` when the group has
     no store or the store cannot be reached. ``rung``: this rank learnt of the fault from a peer
-    (fastdist._bell) and has posted already; it closes the board only a while after its own
+    (fastdist.diagnostics.listener) and has posted already; it closes the board only a while after its own
     window ends, in case its ringer died."""
-    from . import _bell
-
     store = st.store
     if store is None or st.size <= 1:
         return Report() if st.size <= 1 else None
@@ -261,7 +257,7 @@ def report(
     def work(_abandoned: threading.Event) -> dict[str, Any]:  # (late posts to a closed board are harmless)
         mine = json.dumps(me)
         if not rung and store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
-            _bell.ring(st, me)  # the first to report: every other live rank learns it now
+            ring.ring(st, me)  # the first to report: every other live rank learns it now
         if post_status(st, me):  # this rank's post completed the board: it summarizes
             return publish(st, store, prefix)
         # Until everyone posted or the window closes: whichever reporter's window ends first
@@ -279,7 +275,7 @@ def report(
                 published.append(publish(st, store, prefix))
 
         close_at = end + (SUMMARY_SECONDS / 2 if rung else 0.0)
-        if _bell.wait_key(store, f"{prefix}/summary", end + SUMMARY_SECONDS, close, close_at):
+        if keywait.wait_key(store, f"{prefix}/summary", end + SUMMARY_SECONDS, close, close_at):
             if published:  # (else read it: the closer may not have appended it yet)
                 return published[0]
             return _read_summary(st, store, prefix)
@@ -296,7 +292,7 @@ def report(
                 token.encode()
             ):
                 return publish(st, store, prefix)
-            if _bell.wait_key(store, f"{prefix}/summary", current_time() + SUMMARY_SECONDS):
+            if keywait.wait_key(store, f"{prefix}/summary", current_time() + SUMMARY_SECONDS):
                 return _read_summary(st, store, prefix)
         return summarize(st, b"")  # (given up on: the caller has moved on)
 
@@ -331,7 +327,7 @@ def summarize(st: GroupState, raw: bytes) -> dict[str, Any]:
     records: dict[int, dict[str, Any]] = {}
     invalid = 0
     for line in raw.decode(errors="replace").splitlines():
-        rec: dict[str, Any] | None = _keys.parse_record(line, _STATUS_FIELDS)
+        rec: dict[str, Any] | None = keys.parse_record(line, _STATUS_FIELDS)
         if rec is None or rec["state"] not in _STATES or not 0 <= rec["rank"] < st.size:
             invalid += 1  # not fastdist's: see the README's Security section
             continue
@@ -390,7 +386,7 @@ _SUMMARY_FIELDS: dict[str, type | tuple[type, ...]] = {
 def parse_summary(raw: bytes, size: int) -> dict[str, Any] | None:
     """A summary read from the store, or None when it is not one fastdist wrote for a group of
     ``size`` ranks (the store has no authentication: see the README's Security section)."""
-    s: dict[str, Any] | None = _keys.parse_record(raw, _SUMMARY_FIELDS)
+    s: dict[str, Any] | None = keys.parse_record(raw, _SUMMARY_FIELDS)
     if s is None:
         return None
     ok = (

@@ -14,12 +14,12 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from . import _keys
-from ._timeouts import current_time
-from .errors import CollectiveMismatchError
+from ..deadlines import current_time
+from ..errors import CollectiveMismatchError
+from ..store import keys
 
 if TYPE_CHECKING:
-    from ._groups import GroupState
+    from .pgstate import GroupState
 
 # Read on every op (the hot path reads the attribute, not checks_enabled()).
 active = os.environ.get("FASTDIST_CHECK", "") not in ("", "0")
@@ -46,14 +46,14 @@ def verify(st: GroupState, op: str, seq: int, signature: str, deadline: float) -
     store = st.store
     if store is None or st.size <= 1:
         return True
-    prefix = _keys.key("check", st.name, st.generation)
+    prefix = keys.key("check", st.name, st.generation)
     store.set(f"{prefix}/{seq}/{st.rank}", signature)
-    keys = [f"{prefix}/{seq}/{r}" for r in range(st.size)]
-    while not store.check(keys):
+    wanted = [f"{prefix}/{seq}/{r}" for r in range(st.size)]
+    while not store.check(wanted):
         if current_time() >= deadline:
             return False
         time.sleep(_POLL_SECONDS)
-    sigs = {r: store.get(k).decode() for r, k in enumerate(keys)}
+    sigs = {r: store.get(k).decode() for r, k in enumerate(wanted)}
     if seq > 2:
         # Every rank read the records of seq - 2 before it could issue seq - 1 (which completed
         # here, or this rank would not be at seq), so this rank's old record can go.

@@ -7,7 +7,7 @@ agent records how (``dead/RANK`` in the job's store: the live ranks' errors and 
 then either gives its rank to a spare (it waits in ``fastdist.init_process_group`` on a key of
 its own, which the agent writes) or starts one replacement process with the same RANK,
 LOCAL_RANK and device. The live workers are in ``fastdist.recover(state=...)`` meanwhile, and the
-newcomer joins them there (see fastdist.joining). When ``--max-replacements`` is spent, the
+newcomer joins them there (see fastdist.recovery.joining). When ``--max-replacements`` is spent, the
 next death ends the job as torchrun would, non-zero, and the log tells every death and what was
 done about it.
 
@@ -37,7 +37,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing import start_processes
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from . import joining
+from ..store import job
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             if running and not self._ended_spares:
                 store = self._job_store(worker_group)
                 for lr in running:
-                    store.set(joining.spare_key(worker_group.workers[lr].global_rank), joining.END)
+                    store.set(job.spare_key(worker_group.workers[lr].global_rank), job.END)
                 self._ended_spares = True
             if not running:
                 done = {w.global_rank: None for w in worker_group.workers}
@@ -190,14 +190,14 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             return None
         rank = self._serves.pop(lr)
         record = {"rank": rank, "how": how, "pid": failure.pid, "time": time.time()}
-        store.set(joining.dead_key(rank), json.dumps(record))
-        store.append(joining.deaths_key(), json.dumps(record) + "\n")
+        store.set(job.dead_key(rank), json.dumps(record))
+        store.append(job.deaths_key(), json.dumps(record) + "\n")
         self._say(f"rank {rank} (local rank {lr}, pid {failure.pid}) died: {how}")
         if self._idle_spares:
             spare = min(self._idle_spares)
             self._idle_spares.discard(spare)
             self._serves[spare] = rank
-            store.set(joining.spare_key(worker_group.workers[spare].global_rank), str(rank))
+            store.set(job.spare_key(worker_group.workers[spare].global_rank), str(rank))
             self._say(f"rank {rank} goes to a waiting spare (local rank {spare})")
             return None
         if self._replacements_left > 0:
@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if nnodes not in ("1", "1:1"):
         raise SystemExit("fastdist run: one node only for now (--nnodes 1); see the README")
     os.environ["FASTDIST_SPARES"] = str(args.spares)
-    os.environ[joining.LAUNCHER_ENV] = "1"  # the workers' errors may read the deaths recorded
+    os.environ[job.LAUNCHER_ENV] = "1"  # the workers' errors may read the deaths recorded
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+
+from ..diagnostics import dump
+from . import demo, doctor, launcher
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         # torchrun's own flags and the script's: not for this parser.
-        from . import launcher
-
         return launcher.main(argv[1:])
     parser = argparse.ArgumentParser(prog="fastdist", description="Real deadlines for torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from . import demo, doctor, dump
 
     demo_parser = sub.add_parser("demo", help="run a local multi-rank gloo job in which one rank hangs")
     demo.add_arguments(demo_parser)

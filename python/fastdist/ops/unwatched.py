@@ -4,9 +4,9 @@ double). Only fastdist's own functions are bounded on them.
 
 How such a group's work is waited on is fixed when fastdist first sees the group
 (``GroupState.polled``): NCCL-like backends, whose futures complete at enqueue, are polled for
-completion (fastdist._polled) and aborted at the deadline; others are waited on through their
+completion (fastdist.ops.polled) and aborted at the deadline; others are waited on through their
 future's done-callback, or, for work with no future (gloo send/recv), with torch's own bounded
-wait (fastdist._work). On a watched group the C++ backend does all of this (fastdist._watch).
+wait (fastdist.ops.work). On a watched group the C++ backend does all of this (fastdist.ops.watching).
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import time
 import weakref
 from typing import Any, Callable, NoReturn
 
-from . import _checks, _groups, _polled, _verdict, diagnostics
-from ._timeouts import TimeoutLike, current_time, effective_deadline, engine
-from ._work import (
+from ..deadlines import TimeoutLike, current_time, effective_deadline, engine
+from ..diagnostics import board, verdict
+from ..errors import CollectiveTimeoutError, GroupAbortedError
+from ..groups import checks, pgstate
+from . import polled
+from .work import (
     COMPLETED,
     EXPIRED,
     PENDING,
@@ -32,7 +35,6 @@ from ._work import (
     wait_until,
     watch,
 )
-from .errors import CollectiveTimeoutError, GroupAbortedError
 
 _monotonic = time.monotonic
 
@@ -40,7 +42,7 @@ _monotonic = time.monotonic
 def run(
     op: str,
     pg: Any,
-    st: _groups.GroupState,
+    st: pgstate.GroupState,
     start: float,
     deadline: float,
     issue: Callable[[Any, Any], Any],
@@ -52,9 +54,9 @@ def run(
     """Issues one op on an unwatched group and waits for it until ``deadline`` (or returns an
     :class:`UnwatchedWork` for ``async_op``)."""
     if st.dead_reason is not None:
-        _groups.check_alive(st, op)
+        pgstate.check_alive(st, op)
     seq = st.begin(op)
-    if _checks.active and not _checks.verify(st, op, seq, f"{op}({signature()})", deadline):
+    if checks.active and not checks.verify(st, op, seq, f"{op}({signature()})", deadline):
         fail(
             _timed_out(pg, st, op, seq, start, deadline, cause="while comparing signatures (FASTDIST_CHECK)")
         )
@@ -71,7 +73,7 @@ def run(
         finished, token, has_future = wait_until(work, deadline)
     except BaseException:
         # Interrupted (Ctrl-C): the op is still in flight and this rank no longer in step.
-        _groups.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
+        pgstate.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
         raise
     if finished:
         return _finished(pg, st, op, seq, start, deadline, work) if has_future else work
@@ -79,7 +81,7 @@ def run(
 
 
 def _finished(
-    pg: Any, st: _groups.GroupState, op: str, seq: int, start: float, deadline: float, work: Any
+    pg: Any, st: pgstate.GroupState, op: str, seq: int, start: float, deadline: float, work: Any
 ) -> Any:
     """``work``, which ended: raises its backend error, made into fastdist's, if it failed."""
     try:
@@ -91,7 +93,7 @@ def _finished(
 
 def _timed_out(
     pg: Any,
-    st: _groups.GroupState,
+    st: pgstate.GroupState,
     op: str,
     seq: int,
     start: float,
@@ -100,35 +102,35 @@ def _timed_out(
     cause: str | None = None,
 ) -> CollectiveTimeoutError:
     """Marks the group dead and builds the report for a collective whose deadline passed."""
-    _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}", abandoned=token)
-    rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
-    return _verdict.timeout_error(st, op, seq, start, deadline, rep, st.prev_op_of(seq), cause)
+    pgstate.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}", abandoned=token)
+    rep = board.report(st, op, seq, "timed_out", deadline - start)
+    return verdict.timeout_error(st, op, seq, start, deadline, rep, st.prev_op_of(seq), cause)
 
 
 def _backend_failed(
-    pg: Any, st: _groups.GroupState, op: str, seq: int, start: float, deadline: float, exc: RuntimeError
+    pg: Any, st: pgstate.GroupState, op: str, seq: int, start: float, deadline: float, exc: RuntimeError
 ) -> BaseException:
     """The error to raise for a backend failure, or ``exc`` itself if it is not about the group."""
-    text = _verdict.first_line(exc)
-    verdict = _verdict.classify(text)
-    if verdict == _verdict.TIMEOUT:
+    text = verdict.first_line(exc)
+    said = verdict.classify(text)
+    if said == verdict.TIMEOUT:
         # The backend's timeout beat the engine (possible on a loaded machine): same outcome.
         return _timed_out(pg, st, op, seq, start, deadline, cause=text)
-    if verdict == _verdict.PEER_CLOSED:
-        return _verdict.peer_closed(pg, st, op, seq, start, deadline, st.prev_op_of(seq), text)
+    if said == verdict.PEER_CLOSED:
+        return verdict.peer_closed(pg, st, op, seq, start, deadline, st.prev_op_of(seq), text)
     return exc
 
 
 def _wait_polled(
-    op: str, pg: Any, st: _groups.GroupState, seq: int, work: Any, start: float, deadline: float
+    op: str, pg: Any, st: pgstate.GroupState, seq: int, work: Any, start: float, deadline: float
 ) -> Any:
     """The blocking wait on an NCCL-like backend: returns once the work completed on the device
     (its completion query, not a host-wide synchronize), or aborts the group at the deadline."""
     token = engine().add(deadline)
     try:
-        finished = _polled.wait_polled(work, token)
+        finished = polled.wait_polled(work, token)
     except BaseException:
-        _groups.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
+        pgstate.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
         raise
     finally:
         token.cancel()
@@ -138,21 +140,21 @@ def _wait_polled(
 
 
 def _expire_polled(
-    pg: Any, st: _groups.GroupState, op: str, seq: int, start: float, deadline: float
+    pg: Any, st: pgstate.GroupState, op: str, seq: int, start: float, deadline: float
 ) -> CollectiveTimeoutError:
     """At the deadline on an NCCL-like group: mark it dead, start aborting its communicators
     (in the background, bounded), and assemble the report meanwhile."""
-    _groups.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
+    pgstate.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
     last_seen = st.prev_op_of(seq)
-    _polled.abort_group(
+    polled.abort_group(
         pg,
         st.is_default,
-        _verdict.timeout_error(
+        verdict.timeout_error(
             st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
         ),
     )
-    rep = diagnostics.report(st, op, seq, "timed_out", deadline - start)
-    return _verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, "communicators aborted")
+    rep = board.report(st, op, seq, "timed_out", deadline - start)
+    return verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, "communicators aborted")
 
 
 # Handles whose deadline passed wait here until its expiry ran (rare: one condition for all,
@@ -168,7 +170,7 @@ class UnwatchedWork(Work):
     the deadline (marking the group dead and building the report on the engine's executor)."""
 
     def __init__(
-        self, op: str, pg: Any, st: _groups.GroupState, seq: int, work: Any, start: float, deadline: float
+        self, op: str, pg: Any, st: pgstate.GroupState, seq: int, work: Any, start: float, deadline: float
     ) -> None:
         self.op = op
         self._pg = pg
@@ -184,12 +186,12 @@ class UnwatchedWork(Work):
             # The future says nothing about the device: the reaper polls the work instead.
             self._token = engine().add(deadline, self._on_expire)
             self._has_future, self._callback_ref = True, None
-            _polled.reaper.watch(id(pg), work, self._token, ordered=op not in _P2P_OPS)
+            polled.reaper.watch(id(pg), work, self._token, ordered=op not in _P2P_OPS)
             return
         self._token, callback = watch(work, deadline, self._on_expire)
         self._has_future = callback is not None
         self._callback_ref = None if callback is None else weakref.ref(callback)
-        del callback  # only torch may hold it (see _work.abandon)
+        del callback  # only torch may hold it (see fastdist.ops.work.abandon)
 
     @property
     def deadline(self) -> float:
@@ -216,7 +218,7 @@ class UnwatchedWork(Work):
                 f"{self.op} #{self._seq} timed out on rank {self._st.my_global_rank} "
                 f"(its report failed: {exc!r})"
             )
-            _groups.mark_dead(self._pg, reason)
+            pgstate.mark_dead(self._pg, reason)
             self._error = GroupAbortedError(
                 op=self.op, group=self._st.name, rank=self._st.my_global_rank, reason=reason
             )
@@ -270,7 +272,7 @@ class UnwatchedWork(Work):
         now = current_time()
         limit = self._deadline if timeout is None else min(self._deadline, effective_deadline(timeout, now))
         if self._polled:
-            state = _polled.poll(self._work, self._token, max(0.0, limit - now))
+            state = polled.poll(self._work, self._token, max(0.0, limit - now))
         elif self._has_future:
             state = self._token.wait(max(0.0, limit - now))
         else:
@@ -292,7 +294,7 @@ class UnwatchedWork(Work):
     @staticmethod
     def _raise(err: BaseException, cause: BaseException | None = None) -> NoReturn:
         # A copy: the handle keeps the original, and a raised exception must not be reachable
-        # from the frames in its own traceback (see _work.fail).
+        # from the frames in its own traceback (see fastdist.ops.work.fail).
         raise copy.copy(err) from cause
 
     def _wait_p2p(self, limit: float) -> int:

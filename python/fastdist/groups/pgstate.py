@@ -23,8 +23,8 @@ from torch._C._distributed_c10d import Backend as _Backend
 
 _world = dist.distributed_c10d._world
 
-from . import _watched
-from .errors import GroupAbortedError
+from .._native import _watched
+from ..errors import GroupAbortedError
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 _OP_HISTORY = 64
 
 # Backend names (as dist.get_backend() gives them) whose works complete their future at enqueue,
-# so that completion must be polled (fastdist._polled): NCCL.
+# so that completion must be polled (fastdist.ops.polled): NCCL.
 POLLED_BACKENDS = {"nccl"}
 
 

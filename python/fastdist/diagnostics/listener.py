@@ -1,0 +1,175 @@
+"""Fault propagation: when one rank's op on a group fails, every other live rank of the group
+learns it at once, says where it is, and ends its own op on the group.
+
+Each process runs one listener thread (started by ``fastdist.init_process_group``) blocked on its
+own store connection in a pop from its inbox (fastdist.board.ring): an idle rank makes no
+wake-ups and no store traffic. A rung rank forwards the ring to its children, posts its status
+(the op it is in on that group, and the Python stack of the thread that issued it, or of its
+main thread when it is in none) to the group's board, then fails its ops in flight on the group
+(their waiters raise at once; on NCCL the communicators are aborted) or, with none in flight,
+marks the group dead.
+
+What is and is not possible: a rank stopped (SIGSTOP), dead, or holding the GIL in a long C call
+cannot answer; the report says it did not answer. On gloo an op in flight cannot be aborted:
+fastdist ends the op for its caller at once, while gloo's worker finishes it at its own per-call
+timeout, shortly after.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from ..groups import pgstate, registry
+from ..store import keys, keywait
+from ..store.bounded import bounded
+from ..store.etcd import queues_of
+from . import board, ring, stacks
+
+logger = logging.getLogger(__name__)
+
+_FOREVER = datetime.timedelta(days=3650)
+_RING_FIELDS: dict[str, type | tuple[type, ...]] = {"kind": str}
+_FAULT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "kind": str,
+    "group": str,
+    "gen": int,
+    "root": int,
+    "rank": int,
+    "op": str,
+    "seq": int,
+}
+
+_lock = threading.Lock()
+_listener: _Listener | None = None
+
+
+def start(store: Any, global_rank: int) -> None:
+    """Starts this process's listener, which makes its own connections to ``store`` (idempotent)."""
+    global _listener
+    with _lock:
+        if _listener is not None and _listener.is_alive():
+            return
+        _listener = _Listener(store, global_rank)
+        _listener.start()
+
+
+def stop(timeout: float = 1.0) -> None:
+    """Ends the listener: rings its own inbox (waking only itself) and joins it, bounded."""
+    global _listener
+    with _lock:
+        listener, _listener = _listener, None
+    if listener is None or not listener.is_alive():
+        return
+    try:
+        # Bounded: behind a store call stuck on a partition, the push would wait for minutes.
+        bounded(
+            lambda _a: ring.deliver(listener.store, listener.rank, json.dumps({"kind": "exit"})),
+            timeout,
+            "the bell",
+        )
+    except Exception as exc:  # noqa: BLE001 - the store is gone: so is the listener's wait
+        logger.debug("fastdist: could not wake the listener: %r", exc)
+    listener.join(timeout)
+
+
+class _Listener(threading.Thread):
+    def __init__(self, store: Any, rank: int) -> None:
+        super().__init__(name="fastdist-bell", daemon=True)
+        self.store = store  # for short operations (posting, forwarding)
+        self.rank = rank
+
+    def run(self) -> None:
+        try:
+            conn = queues_of(self.store).clone()  # this thread's own, for its blocking pops
+            # The listener posts and forwards on a connection of its own too: the job's store
+            # client serves one operation at a time, and the rank's own code can hold it for
+            # minutes (a rank in a group's creation, where gloo's connect waits in a store get, or
+            # in a store.wait), when its status and the ring through it are wanted. Between pops
+            # the pop connection is free (the queues under the job's prefixes: a TCPStore); an
+            # EtcdStore's queues live under no prefix, and the posts need it: a clone of the job's
+            # store then.
+            poster = conn if queues_of(self.store) is self.store else self.store.clone()
+            short = self.store.timeout if poster is conn else _FOREVER
+            conn.set_timeout(_FOREVER)
+            keywait.set_waiter(self.store.clone())
+        except Exception as exc:  # noqa: BLE001 - a store that cannot clone (a Python store but ours)
+            logger.debug("fastdist: no second connection to the store; faults are not propagated: %r", exc)
+            return
+        while True:
+            try:
+                raw = conn.queue_pop(ring.inbox(self.rank))
+            except Exception as exc:  # noqa: BLE001 - the store went away (job end, host died)
+                logger.debug("fastdist: the fault listener stops: %r", exc)
+                return
+            rec = keys.parse_record(raw, _RING_FIELDS)
+            if rec is None:
+                continue
+            if rec["kind"] == "exit":
+                return
+            fault = keys.parse_record(raw, _FAULT_FIELDS)
+            if fault is None:
+                continue
+            try:
+                if poster is conn:
+                    conn.set_timeout(short)  # short operations: the job's store timeout
+                _handle(poster, fault, raw)
+            except Exception as exc:  # noqa: BLE001 - a listener must outlive one bad fault
+                logger.warning("fastdist: handling a peer's fault failed: %r", exc)
+            finally:
+                if poster is conn:
+                    conn.set_timeout(_FOREVER)
+
+
+def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
+    for pg in registry.watched_groups():
+        st = pgstate.state_of(pg)
+        if st.name != fault["group"] or st.generation != fault["gen"]:
+            continue
+        record = raw.decode() if isinstance(raw, bytes) else str(raw)
+        for child in ring.children(st, fault["root"], ring.dead_of(fault)):
+            ring.deliver(store, child, record)
+        backends = registry.backends_of(pg)
+        inflight = sorted((op for b in backends for op in b.inflight_ops()), key=lambda o: o[1])
+        if inflight:
+            op, seq, thread, _start = inflight[0]
+            status = {
+                "rank": st.rank,
+                "op": op,
+                "seq": seq,
+                "state": "in_op",
+                "t": time.time(),
+                "stack": stacks.stack_of(thread),
+                "waits": board.waits(st),
+            }
+        else:
+            status = {
+                "rank": st.rank,
+                "op": "",
+                "seq": 0,
+                "state": "elsewhere",
+                "t": time.time(),
+                "stack": stacks.stack_of(stacks.issuer(backends)),
+                "waits": board.waits(st),
+            }
+        if board.post_status(st, status, store):
+            # This rank's post completed the board: it publishes the summary, before it ends its
+            # ops (ending one can run that op's own report, which waits for the summary, here).
+            board.publish(st, store)
+        verb = {"timed_out": "timed out in", "interrupted": "was interrupted (KeyboardInterrupt) in"}.get(
+            str(fault.get("state")), "failed in"
+        )
+        reason = (
+            f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']} and aborted group {st.name!r} "
+            "while this rank was in no op on it"
+        )
+        if isinstance(fault.get("dead"), str):
+            reason = f"{fault['dead']}; {reason}"
+        for b in backends:
+            b.fail_remote(record, reason)
+        if not inflight:
+            pgstate.mark_dead(pg, reason)

@@ -1,0 +1,78 @@
+"""Ringing a group: the first rank to report a fault on a group tells every other live rank.
+
+The ring goes down a binary tree of the group's ranks, rooted at the ringer, each rank forwarding
+it to its two children (fastdist.diagnostics.listener), so every rank does O(1) store operations
+and the last one hears it after about log2(N) hops. Each rank's inbox is a store queue
+(``inbox/RANK``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..store import keys
+from ..store.etcd import queues_of
+
+if TYPE_CHECKING:
+    from ..groups.pgstate import GroupState
+
+logger = logging.getLogger(__name__)
+
+
+def inbox(global_rank: int) -> str:
+    return keys.key("inbox", global_rank)
+
+
+def deliver(store: Any, global_rank: int, record: str) -> None:
+    queues_of(store).queue_push(inbox(global_rank), record)
+
+
+def children(st: GroupState, root: int, dead: frozenset[int] = frozenset()) -> list[int]:
+    """This rank's children in the ring tree rooted at group rank ``root``, as global ranks; a
+    child in ``dead`` (global ranks known dead) is skipped for its own children, so that its
+    subtree is still rung."""
+    out: list[int] = []
+    todo = [(st.rank - root) % st.size]
+    while todo:
+        pos = todo.pop()
+        for c in (2 * pos + 1, 2 * pos + 2):
+            if c >= st.size:
+                continue
+            child = st.global_rank((root + c) % st.size)
+            if child in dead:
+                todo.append(c)
+            else:
+                out.append(child)
+    return out
+
+
+def dead_of(record: dict[str, Any]) -> frozenset[int]:
+    ranks = record.get("dead_ranks")
+    return frozenset(r for r in ranks if isinstance(r, int)) if isinstance(ranks, list) else frozenset()
+
+
+def ring(st: GroupState, status: dict[str, Any]) -> None:
+    """Rings the group of ``st``: this rank reported its fault first (``status``: its record)."""
+    if st.store is None:
+        return
+    record = json.dumps(
+        {
+            "kind": "fault",
+            "group": st.name,
+            "gen": st.generation,
+            "root": st.rank,
+            "rank": st.my_global_rank,
+            "op": status["op"],
+            "seq": status["seq"],
+            "state": status["state"],
+            "t": status["t"],
+            **({"dead": status["dead"], "dead_ranks": status["dead_ranks"]} if status.get("dead") else {}),
+        }
+    )
+    try:
+        for child in children(st, st.rank, dead_of(status)):
+            deliver(st.store, child, record)
+    except RuntimeError as exc:  # a store without queues (FileStore): the others find out at their deadline
+        logger.debug("fastdist: could not ring the group: %r", exc)

@@ -1,0 +1,293 @@
+"""Watched groups: every op on a group made by (or after) ``fastdist.init_process_group`` has a
+deadline, whoever issues it.
+
+torch builds each process group as usual; when it registers the group's backend (gloo or NCCL)
+in the ProcessGroup, fastdist registers a ``fastdist._watched.WatchedBackend`` wrapping it instead
+(``ProcessGroup._register_backend`` is the one place every group passes through: the default
+group, ``new_group``, ``split_group``, DeviceMesh). The ProcessGroup stays torch's own, with its
+name and backend type, so DDP, FSDP2 and DeviceMesh take their usual paths; recovery swaps the
+wrapped backend in place, so the objects holding the group train on.
+
+The C++ side numbers and watches every op; when one expires or fails, it asks :func:`_build` here,
+once per fault, for the exception every waiter of the group raises: the who-is-missing report
+(fastdist.diagnostics.board) made into a :class:`CollectiveTimeoutError` or :class:`GroupAbortedError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from torch._C._distributed_c10d import ProcessGroup
+
+from .._native import _core, _watched
+from ..deadlines import current_time, get_default_timeout, run_timeout_handler
+from ..diagnostics import board, dump, verdict
+from ..errors import CollectiveTimeoutError, GroupAbortedError, remember
+from ..groups import pgstate, registry
+from . import polled
+from .work import run_handler_unwaited
+
+if TYPE_CHECKING:
+    from ..groups.pgstate import GroupState
+
+logger = logging.getLogger(__name__)
+
+WatchedBackend = _watched.WatchedBackend
+
+_lock = threading.Lock()
+_active = False
+# The group timeout the user gave fastdist.init_process_group (seconds), or None.
+_user_timeout: float | None = None
+# Whether Ctrl-C ended an op of this process (the exit then does not wait for it to end in gloo).
+_interrupted = False
+
+_orig_register_backend = ProcessGroup._register_backend
+
+
+def _register_backend(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
+    if _active and not isinstance(backend, WatchedBackend) and backend_type in _WATCHED_TYPES:
+        backend = _wrap(pg, device, backend_type, backend)
+        if backend_type == ProcessGroup.BackendType.GLOO:
+            # torch's C++ casts the backend registered as GLOO to ProcessGroupGloo (DDP's logger
+            # reads its thread count): a wrapper registered so would be read as one. Registered as
+            # CUSTOM, torch takes its generic path; torch.distributed.get_backend(pg) still says
+            # "gloo" (it reads its own records), and the object collectives pick the CPU as before.
+            if pg._get_backend_name() == "gloo":
+                pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+            backend_type = ProcessGroup.BackendType.CUSTOM
+    return _orig_register_backend(pg, device, backend_type, backend)
+
+
+_WATCHED_TYPES = {ProcessGroup.BackendType.GLOO}
+if hasattr(ProcessGroup.BackendType, "NCCL"):
+    _WATCHED_TYPES.add(ProcessGroup.BackendType.NCCL)
+
+_wrapped: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+
+def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
+    # A backend registered for several devices ("gloo" for cpu and cuda) gets one wrapper.
+    per_pg = _wrapped.setdefault(pg, {})
+    existing = per_pg.get(id(backend))
+    if existing is not None:
+        return existing
+    timeout = get_default_timeout()
+    if _user_timeout is not None:
+        options = getattr(backend, "options", None)
+        group_timeout = getattr(options, "timeout", None) or getattr(options, "_timeout", None)
+        timeout = group_timeout.total_seconds() if group_timeout is not None else _user_timeout
+    # NCCL completes a work's future at enqueue: its works are polled (work.is_completed()).
+    # FASTDIST_TEST_POLLED=1 watches gloo groups the same way: the NCCL path's logic, testable on
+    # a CPU (gloo's completion query is exact, so it stands in for a GPU's).
+    is_polled = backend_type != ProcessGroup.BackendType.GLOO or os.environ.get("FASTDIST_TEST_POLLED") == "1"
+    wrapper = WatchedBackend(backend, "", float(timeout), is_polled)
+    per_pg[id(backend)] = wrapper
+    registry.add(wrapper.ctl_id, pg, device)
+    return wrapper
+
+
+def activate(user_timeout: float | None) -> None:
+    """Watches every group made from now on (called by fastdist.init_process_group)."""
+    global _active, _user_timeout
+    with _lock:
+        _user_timeout = user_timeout
+        if _active:
+            return
+        _watched.set_engine(_core._engine_capsule())
+        _watched.set_fault_builder(_build)
+        _watched.set_main_thread(threading.main_thread().ident or 0)
+        _watched.install_sigint_hook()
+        ProcessGroup._register_backend = _register_backend  # type: ignore[method-assign,assignment]
+        _active = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the error for a fault (called from C++, with the GIL, once per fault)
+
+
+def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
+    # Whatever this raises (a waiter's timeout handler's sys.exit() among others) is the error.
+    err = _build_error(ctl_id, info)
+    if info["kind"] in ("timeout", "remote", "backend") and os.environ.get("FASTDIST_DUMP_DIR"):
+        pg = registry.group_of(ctl_id)
+        if pg is not None:
+            dump.write(pgstate.state_of(pg), pg, err)
+    if info["kind"] != "refused":
+        # A copy: the error itself gets a traceback when raised, and with it the frames of the
+        # failed call; kept here, those would live on.
+        remember(copy.copy(err))
+    return err
+
+
+def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
+    pg = registry.group_of(ctl_id)
+    op, seq, kind = info["op"], int(info["seq"]), info["kind"]
+    if pg is None:
+        return GroupAbortedError(op=op, group="?", rank=-1, reason=info["detail"] or f"{op} #{seq} {kind}")
+    st = pgstate.state_of(pg)
+    if kind == "refused":
+        # The reason fastdist recorded (it names the peer whose fault rang this rank) before the
+        # engine's own, which knows only that the op was ended by a peer's fault.
+        reason = st.dead_reason or info["detail"] or "aborted"
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+    start = float(info["start"])
+    deadline = float(info["deadline"])
+    last_seen = info["prev"] or None
+    if kind == "interrupted":
+        global _interrupted
+        _interrupted = True
+        reason = f"an op was interrupted (Ctrl-C) on rank {st.my_global_rank}"
+        pgstate.mark_dead(pg, reason)
+        # The peers in the op would otherwise wait for it until their deadline, and then blame a
+        # timeout: ring them (bounded, so that the KeyboardInterrupt is not held up).
+        board.announce(st, op, seq, "interrupted")
+        # Ctrl-C: every op in flight on the group ends, wherever torch waits for it (DDP's backward
+        # included), and the group is dead. The KeyboardInterrupt itself is Python's: its handler
+        # runs as soon as the main thread is back in Python, a moment later (raising one here too
+        # would give two).
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+    if kind == "remote":
+        return _remote_fault(pg, st, op, seq, start, deadline, last_seen, info)
+    text = verdict.first_line(info["detail"] or "")
+    said = verdict.classify(text)
+    if kind == "timeout" or said == verdict.TIMEOUT:
+        _die(
+            pg,
+            st,
+            f"{op} #{seq} timed out on rank {st.my_global_rank}",
+            verdict.timeout_error(
+                st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
+            ),
+        )
+        rep = board.report(st, op, seq, "timed_out", deadline - start)
+        cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
+        if rep is None and board.store_failure is not None:
+            cause = board.store_gone_reason()
+        err: BaseException = verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
+        _run_handler(err, info["waiter"])
+        return err
+    if said == verdict.PEER_CLOSED:
+        err = verdict.peer_closed(pg, st, op, seq, start, deadline, last_seen, text)
+        if isinstance(err, CollectiveTimeoutError):
+            _run_handler(err, info["waiter"])
+        return err
+    reason = f"{op} #{seq} failed on rank {st.my_global_rank}: {text or 'backend error'}"
+    pgstate.mark_dead(pg, reason)
+    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+
+
+def _remote_fault(
+    pg: Any,
+    st: GroupState,
+    op: str,
+    seq: int,
+    start: float,
+    deadline: float,
+    last_seen: str | None,
+    info: dict[str, Any],
+) -> BaseException:
+    """A peer reported a fault on the group (fastdist.diagnostics.listener) while this rank's op
+    ``seq`` was in flight. In the same op: the same timeout, with the same report (everyone raises together).
+    In another: the group is dead under this op; say whose fault it was."""
+    try:
+        peer = json.loads(info["detail"])
+    except ValueError:
+        peer = {}
+    who = f"rank {peer.get('rank', '?')}"
+    what = f"{peer.get('op', '?')} #{peer.get('seq', '?')}"
+    # This rank's op began after the peer's fault: a straggler (it was stopped, or slow), not a
+    # rank stuck in the op with the others.
+    began = time.time() - (current_time() - start)
+    late = isinstance(peer.get("t"), (int, float)) and began > peer["t"]
+    if peer.get("state") == "interrupted":
+        return _aborted(pg, st, op, f"{who} was interrupted (KeyboardInterrupt) in {what}")
+    if isinstance(peer.get("dead"), str):
+        return _aborted(pg, st, op, f"{peer['dead']} (seen by {who} in {what})")
+    if peer.get("state") == "aborted":
+        # The ringer's op failed under it (a peer closed the group): not a timeout of its own.
+        return _aborted(
+            pg,
+            st,
+            op,
+            f"{who} saw the group closed under it by a peer in {what} (a rank exited or was killed)",
+        )
+    if peer.get("op") == op and peer.get("seq") == seq and not late:
+        _die(
+            pg,
+            st,
+            f"{op} #{seq} timed out on {who}",
+            verdict.timeout_error(
+                st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
+            ),
+        )
+        rep = board.report(
+            st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, rung=True
+        )
+        err = verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, f"{who} timed out first")
+        _run_handler(err, info["waiter"])
+        return err
+    verb = "timed out in" if peer.get("state") == "timed_out" else "failed in"
+    return _aborted(
+        pg, st, op, f"{who} {verb} {what} and aborted group {st.name!r} while this rank was in {op} #{seq}"
+    )
+
+
+def _aborted(pg: Any, st: GroupState, op: str, reason: str) -> GroupAbortedError:
+    """The group is dead under ``op`` for ``reason`` (a peer's fault): the error, after _die."""
+    _die(
+        pg,
+        st,
+        reason,
+        GroupAbortedError(
+            op=op, group=st.name, rank=st.my_global_rank, reason=reason + "; aborting the communicators hung"
+        ),
+    )
+    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+
+
+def _die(pg: Any, st: GroupState, reason: str, if_abort_hangs: BaseException) -> None:
+    """Marks the group dead and, on NCCL, starts aborting its communicators (in the background,
+    bounded: ``if_abort_hangs`` goes to the timeout handler when the abort does not return)."""
+    pgstate.mark_dead(pg, reason)
+    if st.polled:
+        polled.abort_group(pg, st.is_default, if_abort_hangs)
+
+
+def _run_handler(err: BaseException, waiter: bool) -> None:
+    if waiter:
+        run_timeout_handler(err)  # whatever it raises propagates in the waiting thread
+    else:
+        run_handler_unwaited(err)
+
+
+def active() -> bool:
+    """Whether groups are watched (fastdist.init_process_group ran)."""
+    return _active
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C ended an op of this process."""
+    return _interrupted
+
+
+def drain_inflight(end: float) -> None:
+    """At exit: waits until ``end`` (time.monotonic()) for the watched ops abandoned at their
+    deadline to end in the backend, which calls back into fastdist then (gloo: at its own
+    timeout, shortly after the deadline); that must happen while Python still runs."""
+    while _watched.abandoned_inflight() > 0 and time.monotonic() < end:
+        time.sleep(0.002)
+
+
+def keep_dead_backends() -> None:
+    """At exit: a dead group's backend may still be inside an op (after Ctrl-C, one that waits for
+    a peer until gloo's own timeout): its destructor would join that thread, and exit would wait.
+    They are kept, never destroyed."""
+    _watched.keep_dead_backends()

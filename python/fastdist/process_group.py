@@ -1,0 +1,306 @@
+"""Starting a job: ``fastdist.init_process_group`` is torch's, plus a store connection that
+retries and says why it failed, watched groups, and what recovery needs kept (the backend, the
+group timeout and the store). A process that starts while the job runs joins it."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+from . import shutdown  # noqa: F401  (the exit hook: registered with the first import of fastdist)
+from .deadlines import RendezvousTimeout, validate_seconds
+from .diagnostics import board, listener
+from .ops import watching
+from .recovery import joining, wrappers
+from .recovery.recover import LINEAGE_PROBE, lineage
+from .store import job, keys, rendezvous
+from .store.etcd import parse_url
+
+logger = logging.getLogger(__name__)
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: Any | None = None,
+    timeout: Any | None = None,
+    connect_timeout: Any | None = None,
+    retries: int | None = 3,
+    backoff: float = 0.5,
+    rendezvous_timeout: Any | None = None,
+    spares: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """``torch.distributed.init_process_group`` (env:// as torchrun sets it, ``tcp://``,
+    ``file://``, ``etcd://HOST:PORT[,HOST:PORT...]/JOB_ID``, or a ``store``), keeping what
+    :func:`recover` and the diagnostics need.
+
+    ``etcd://`` keeps the job's store in etcd (:class:`fastdist.EtcdStore`): it survives losing
+    any rank, rank 0 included; connection failures are diagnosed as below, per endpoint.
+
+    For env:// (also the default when MASTER_ADDR is set) and tcp://, fastdist makes the store
+    connection itself: retries with exponential backoff and jitter (``retries``, ``backoff``),
+    the whole connect phase within ``connect_timeout`` (default 60 s) plus 10%, and failures
+    raised as :class:`RendezvousConnectionError` with their cause (see fastdist.store.rendezvous). Then
+    every rank checks that torch, fastdist and the world size match rank 0's. With
+    ``rendezvous_timeout`` (a :class:`RendezvousTimeout` or seconds) the ranks also wait for each
+    other within it, and missing ranks are named (:class:`RendezvousTimeoutError`).
+
+    ``timeout`` (seconds or ``timedelta``) is the group's backend timeout, as in torch; fastdist
+    calls still use their own ``timeout=``. For NCCL it sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
+    unless already set (see :func:`configure_nccl_error_handling`).
+
+    A process that starts while the job runs (a replacement for a dead rank, same RANK) *joins*
+    it: this returns at once with its groups on stand-in backends, and the script then builds its
+    model and optimizer as on a first start and calls :func:`sync_state`, which takes the rank's
+    place at the live ranks' next :func:`recover` and loads their state. ``spares=K`` (or
+    ``FASTDIST_SPARES=K``): the last K processes of the launch hold no rank (the world size is
+    the launched size minus K); each waits here, blocked, until ``fastdist run`` gives it a dead
+    rank's place (it then joins), and exits 0 when the job ends without it.
+    """
+    td = None if timeout is None else _group_timedelta(validate_seconds(timeout, "timeout"))
+    connect = 60.0 if connect_timeout is None else validate_seconds(connect_timeout, "connect_timeout")
+    rdzv = rendezvous_timeout
+    if rdzv is not None and not isinstance(rdzv, RendezvousTimeout):
+        rdzv = RendezvousTimeout(rdzv)
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "fastdist.init_process_group: this process's default group is already initialized (rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}); after a fault call fastdist.recover(), "
+            "or destroy the group first (torch.distributed.destroy_process_group())"
+        )
+    n_spares = joining.spares_arg(spares)
+    configure_nccl_error_handling(backend)
+    lineage["reconnect"] = None
+    target = _tcp_target(init_method, store)
+    hosts_store = False
+    if store is None and init_method is not None and init_method.startswith("etcd://"):
+        endpoints, job_id, ttl = parse_url(init_method)
+        rank, world_size = _rank_and_size(rank, world_size)
+        store = rendezvous.connect_etcd(
+            endpoints,
+            job_id,
+            ttl=ttl,
+            connect_timeout=connect,
+            retries=retries,
+            backoff=backoff,
+            store_timeout=td.total_seconds() if td is not None else 300.0,
+        )
+        rendezvous.check_versions(store, rank, world_size, *endpoints[0], timeout=connect)
+        init_method = None
+        board.store_location = f"etcd {','.join(f'{h}:{p}' for h, p in endpoints)} (job {job_id!r})"
+    if target is not None:
+        host, port = target
+        rank, world_size = _rank_and_size(rank, world_size)
+        # Under torchrun the agent hosts the store on MASTER_PORT: every worker is a client.
+        agent = (init_method or "env://").startswith("env://") and keys.agent_hosts_store()
+        hosts_store = rank == 0 and not agent
+        store = rendezvous.connect_store(
+            host,
+            port,
+            is_master=hosts_store,
+            world_size=world_size,
+            connect_timeout=connect,
+            retries=retries,
+            backoff=backoff,
+            store_timeout=td.total_seconds() if td is not None else 300.0,
+        )
+        rendezvous.check_versions(store, rank, world_size, host, port, timeout=connect)
+        init_method = None
+        hosted_by = "torchrun's agent" if agent else "in rank 0"
+        board.store_location = f"{host}:{port} ({hosted_by})"
+        if agent:
+            # torchrun's agent keeps its store across restarts of the worker group: torch's own keys
+            # (gloo's addresses) of the last attempt must not be read by this one.
+            store = dist.PrefixStore(keys.key("pg") + "/", store)
+        store_seconds = td.total_seconds() if td is not None else 300.0
+
+        def reconnect() -> Any:
+            """A new connection to the job's store, under the prefixes of the default store: ours
+            under torchrun's agent, then torch's group prefix ("GROUP_NAME/"), checked against a
+            key written through the original at init."""
+            fresh: Any = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=store_seconds))
+            if agent:
+                fresh = dist.PrefixStore(keys.key("pg") + "/", fresh)
+            fresh = dist.PrefixStore(f"{lineage['group_name']}/", fresh)
+            if not fresh.check([LINEAGE_PROBE]):
+                raise RuntimeError("a new connection to the store does not see the job's keys")
+            return fresh
+
+        lineage["reconnect"] = reconnect
+    if rdzv is not None:
+        if store is None:
+            raise ValueError("rendezvous_timeout needs env://, tcp:// or a store")
+        rendezvous.rendezvous(
+            store,
+            -1 if rank is None else rank,
+            -1 if world_size is None else world_size,
+            rdzv,
+            hosts_store=target is not None and hosts_store,
+        )
+    job_store = _job_store(store)
+    joiner = False
+    if n_spares and (job_store is None or rank is None or world_size is None):
+        raise ValueError("spares need env://, tcp://, etcd:// or a store, with rank and world_size")
+    if job_store is not None and rank is not None and world_size is not None:
+        if n_spares >= world_size:
+            raise ValueError(f"spares ({n_spares}) must be fewer than the processes launched ({world_size})")
+        world_size -= n_spares
+        if rank >= world_size:
+            logger.info("launch rank %d: a spare, waiting for a dead rank's place", rank)
+            rank = joining.wait_for_vacancy(job_store, rank)
+            joiner = True
+        elif not lineage.get("started"):  # a process that made its groups before is no joiner
+            joiner = job.job_running(job_store)
+    watching.activate(None if td is None else td.total_seconds())
+    wrappers.track_ddp()
+    with joining.solo_groups() if joiner else contextlib.nullcontext():
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            timeout=td,
+            store=store,
+            rank=-1 if rank is None else rank,
+            world_size=-1 if world_size is None else world_size,
+            **kwargs,
+        )
+    lineage["job_store"] = job_store
+    job.set_job_store(job_store)
+    lineage["started"] = True
+    lineage.update(
+        backend=dist.get_backend(),
+        timeout=td,
+        root=dist.distributed_c10d._get_default_store(),
+    )
+    if lineage.get("reconnect") is not None:
+        try:
+            lineage["group_name"] = dist.distributed_c10d._get_default_group().group_name
+        except RuntimeError:  # a backend without a group name: no second connection then
+            lineage["reconnect"] = None
+        else:
+            lineage["root"].set(LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
+    if joiner:
+        logger.info("rank %d joins the running job: call fastdist.sync_state(state) to take its place", rank)
+        return
+    if job_store is not None:
+        job.mark_running(job_store)
+    listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
+
+
+# The longest timeout handed to torch (its TCPStore and backends count in nanoseconds somewhere:
+# 10**6 days failed to connect at once). Anything longer, math.inf included, means no deadline.
+MAX_TIMEOUT = datetime.timedelta(days=3650)
+
+
+def _group_timedelta(seconds: float) -> datetime.timedelta:
+    return MAX_TIMEOUT if seconds >= MAX_TIMEOUT.total_seconds() else datetime.timedelta(seconds=seconds)
+
+
+def _job_store(store: Any) -> Any | None:
+    """The job's store under fastdist's own keys (under torchrun's agent, below the prefix the
+    workers' groups use), or None when torch made the store itself."""
+    if isinstance(store, dist.PrefixStore) and keys.agent_hosts_store():
+        return store.underlying_store
+    return store
+
+
+def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The arguments, else RANK and WORLD_SIZE from the environment (as torchrun sets them)."""
+    rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
+    if world_size is None and "WORLD_SIZE" in os.environ:
+        world_size = int(os.environ["WORLD_SIZE"])
+    if rank is None or world_size is None:
+        raise ValueError(
+            "rank and world_size are needed (as arguments, or RANK and WORLD_SIZE in the environment)"
+        )
+    return rank, world_size
+
+
+def _tcp_target(init_method: str | None, store: Any | None) -> tuple[str, int] | None:
+    """(host, port) when fastdist should make the TCPStore connection itself."""
+    if store is not None:
+        return None
+    if init_method is None:
+        if "MASTER_ADDR" not in os.environ:
+            return None
+        init_method = "env://"
+    if init_method.startswith("env://"):
+        try:
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except KeyError as exc:
+            raise ValueError(f"env:// needs {exc.args[0]} in the environment") from None
+        except ValueError:
+            raise ValueError(
+                f"MASTER_PORT must be a port number, got {os.environ['MASTER_PORT']!r}"
+            ) from None
+    if init_method.startswith("tcp://"):
+        hostport = init_method[len("tcp://") :].split("?", 1)[0].rstrip("/")
+        host, _, port = hostport.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"init_method must look like tcp://HOST:PORT, got {init_method!r}")
+        return host.strip("[]"), int(port)
+    return None
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+# 2 = CleanUpOnly: torch's watchdog aborts the communicators of a failed work but does not tear
+# the process down. torch's default (3) kills the process, which would undo a fastdist abort.
+NCCL_ERROR_HANDLING_MODE = "2"
+
+
+def configure_nccl_error_handling(backend: str | None) -> None:
+    """Sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 for a backend that may be NCCL (``None`` lets torch
+    pick NCCL on a GPU machine), so that torch's watchdog never kills a process after fastdist
+    aborted a timed-out collective. A value the user set is kept, with a warning if it differs."""
+    if backend is not None and "nccl" not in str(backend).lower():
+        return
+    current = os.environ.get(NCCL_ERROR_HANDLING)
+    if current is None or _injected_by_launcher(NCCL_ERROR_HANDLING):
+        # torchrun puts TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down) into every worker unless the
+        # user set it: that value is the launcher's default, not the user's choice.
+        os.environ[NCCL_ERROR_HANDLING] = NCCL_ERROR_HANDLING_MODE
+    elif current.strip() != NCCL_ERROR_HANDLING_MODE:
+        warnings.warn(
+            f"{NCCL_ERROR_HANDLING}={current} was set explicitly and is kept; with it torch's NCCL watchdog "
+            f"may {'kill the process' if current.strip() in ('1', '3') else 'not clean up'} after a timeout "
+            f"that fastdist handles. fastdist recommends {NCCL_ERROR_HANDLING}={NCCL_ERROR_HANDLING_MODE}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _injected_by_launcher(name: str) -> bool:
+    """Whether torchrun's agent put ``name`` into this worker's environment itself: the agent (this
+    process's parent) was started without it. Where the parent's environment cannot be read, the
+    value torchrun injects ("1") counts as injected."""
+    if not keys.under_torchrun():
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            parent = f.read().split(b"\0")
+    except OSError:
+        return os.environ.get(name, "").strip() == "1"
+    prefix = name.encode() + b"="
+    return not any(entry.startswith(prefix) for entry in parent)
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the default group, as rebuilt by recover)."""
+    return dist.get_rank(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    """The size of ``group`` (default: the default group, as rebuilt by recover)."""
+    return dist.get_world_size(group)

@@ -1,0 +1,72 @@
+"""The job's own keys in its store: which ranks run, which died and how (written by
+``fastdist run``'s agent), and where each spare learns the rank it takes."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from . import keys
+
+RUNNING = "running"
+END = "end"
+
+
+def running_key() -> str:
+    return keys.key(RUNNING)
+
+
+def spare_key(launch_rank: int) -> str:
+    """Where the spare launched as ``launch_rank`` learns the rank it takes (or "end")."""
+    return keys.key("spare", launch_rank)
+
+
+def dead_key(rank: int) -> str:
+    """The launcher's record of how ``rank``'s process ended."""
+    return keys.key("dead", rank)
+
+
+def deaths_key() -> str:
+    """Every death the launcher saw, one JSON record a line (rank, how, pid, time)."""
+    return keys.key("deaths")
+
+
+# Set by fastdist run in its workers' environment: a launcher that records deaths in the store.
+LAUNCHER_ENV = "FASTDIST_RUN"
+_DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
+_job_store: Any = None
+
+
+def set_job_store(store: Any) -> None:
+    global _job_store
+    _job_store = store
+
+
+def deaths_since(since: float, ranks: list[int], wait: float) -> dict[int, str]:
+    """How each of ``ranks`` that died at or after ``since`` (a time.time()) ended, as
+    ``fastdist run``'s agent recorded it ("exit by SIGKILL"), waiting up to ``wait`` seconds for
+    a record (the agent sees a death within its monitor interval, 0.1 s by default). Empty
+    without such a launcher."""
+    store = _job_store
+    if store is None or os.environ.get(LAUNCHER_ENV) != "1":
+        return {}
+    end = time.monotonic() + wait
+    while True:
+        found: dict[int, str] = {}
+        if store.check([deaths_key()]):
+            for line in bytes(store.get(deaths_key())).decode(errors="replace").splitlines():
+                rec: Any = keys.parse_record(line, _DEATH_FIELDS)
+                if rec is not None and rec["rank"] in ranks and rec["time"] >= since - 1.0:
+                    found[rec["rank"]] = rec["how"]
+        if found or time.monotonic() >= end:
+            return found
+        time.sleep(0.02)
+
+
+def job_running(store: Any) -> bool:
+    return bool(store.check([running_key()]))
+
+
+def mark_running(store: Any) -> None:
+    store.set(running_key(), "1")
