@@ -183,12 +183,13 @@ def test_expiry_and_reaper_survive_a_completion_query_that_raises() -> None:
     """Issue 13 item 8: an exception inside the expiry action still leaves the handle failed and
     the group dead (exception() returns, never blocks), and the NCCL reaper thread survives one."""
     from fastdist.groups import pgstate
+    from fastdist.groups.opcall import OpCall
     from fastdist.ops import polled, unwatched
 
     pg = _solo_group()
     st = pgstate.state_of(pg)
     start = fastdist.current_time()
-    h = unwatched.UnwatchedWork("all_reduce", pg, st, 1, _BrokenWork(), start, start + 0.2)
+    h = unwatched.UnwatchedWork(OpCall("all_reduce", pg, st, 1, start, start + 0.2), _BrokenWork())
     time.sleep(0.5)  # past the deadline: the expiry ran (or runs now; exception() waits for it)
     err = h.exception()
     assert isinstance(err, GroupAbortedError) and "completion query failed" in str(err), err

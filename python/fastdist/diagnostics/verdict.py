@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 from ..deadlines import current_time
 from ..errors import CollectiveTimeoutError, GroupAbortedError
 from ..groups import pgstate
+from ..groups.opcall import OpCall
 from ..store import job
 from . import board
 
@@ -50,46 +50,30 @@ def first_line(exc: BaseException | str) -> str:
     return text.splitlines()[0] if text else (type(exc).__name__ if not isinstance(exc, str) else "")
 
 
-def timeout_error(
-    st: pgstate.GroupState,
-    op: str,
-    seq: int | None,
-    start: float,
-    deadline: float,
-    rep: board.Report | None,
-    last_seen: str | None,
-    cause: str | None,
-) -> CollectiveTimeoutError:
-    """The :class:`CollectiveTimeoutError` for op ``seq`` of group ``st`` (a GroupState)."""
+def timeout_error(call: OpCall, rep: board.Report | None, cause: str | None) -> CollectiveTimeoutError:
+    """The :class:`CollectiveTimeoutError` for ``call``, with the report ``rep`` if there is one."""
+    st = call.st
     return CollectiveTimeoutError(
-        op=op,
-        seq=seq,
+        op=call.op,
+        seq=call.seq,
         rank=st.my_global_rank,
         world_size=st.size,
         group=st.name,
-        timeout=deadline - start if math.isfinite(deadline) else math.inf,
-        elapsed=current_time() - start,
+        timeout=call.deadline - call.start if math.isfinite(call.deadline) else math.inf,
+        elapsed=current_time() - call.start,
         missing_ranks=None if rep is None else rep.missing,
         desynced=None if rep is None else rep.desynced,
-        last_seen=last_seen,
+        last_seen=call.last_seen,
         cause=cause,
         stacks=None if rep is None else rep.stacks,
         straggler=None if rep is None else rep.straggler,
     )
 
 
-def peer_closed(
-    pg: Any,
-    st: pgstate.GroupState,
-    op: str,
-    seq: int,
-    start: float,
-    deadline: float,
-    last_seen: str | None,
-    text: str,
-) -> BaseException:
-    """A peer closed the group under op ``seq``: it timed out first (then this is a timeout too,
+def peer_closed(call: OpCall, text: str) -> BaseException:
+    """A peer closed the group under ``call``: it timed out first (then this is a timeout too,
     unless this rank only arrived after that: a straggler), or it died. Marks the group dead."""
+    pg, st, op, seq, start, deadline = call.pg, call.st, call.op, call.seq, call.start, call.deadline
     pgstate.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
     started_wall = time.time() - (current_time() - start)
     # Under fastdist run the agent records a death within its monitor interval: a dead rank is
@@ -113,7 +97,7 @@ def peer_closed(
     if cause is not None:
         assert rep is not None  # a cause comes from a report's timed-out ranks
         pgstate.mark_dead(pg, f"{op} #{seq} timed out on rank {min(rep.timed_out)}", replace=True)
-        return timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
+        return timeout_error(call, rep, cause)
     reason = f"{why}; {op} #{seq} failed: {text}"
     pgstate.mark_dead(pg, reason, replace=True)
     if rep is not None and rep.missing and not rep.timed_out:

@@ -12,6 +12,7 @@ wait (fastdist.ops.work). On a watched group the C++ backend does all of this (f
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 import weakref
@@ -21,6 +22,7 @@ from ..deadlines import TimeoutLike, current_time, effective_deadline, engine
 from ..diagnostics import board, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError
 from ..groups import checks, pgstate
+from ..groups.opcall import OpCall
 from . import polled
 from .work import (
     COMPLETED,
@@ -56,105 +58,89 @@ def run(
     if st.dead_reason is not None:
         pgstate.check_alive(st, op)
     seq = st.begin(op)
+    call = OpCall(op, pg, st, seq, start, deadline)
     if checks.active and not checks.verify(st, op, seq, f"{op}({signature()})", deadline):
-        fail(
-            _timed_out(pg, st, op, seq, start, deadline, cause="while comparing signatures (FASTDIST_CHECK)")
-        )
+        fail(_timed_out(call, cause="while comparing signatures (FASTDIST_CHECK)"))
     now = _monotonic()
     if now >= deadline:
         # This rank skips the collective its peers will make, so the group is out of step.
-        fail(_timed_out(pg, st, op, seq, start, deadline, cause="the deadline had passed before the call"))
+        fail(_timed_out(call, cause="the deadline had passed before the call"))
     work = issue(pg, None if kind is None else backend_options(kind, deadline, now, fields))
     if async_op:
-        return UnwatchedWork(op, pg, st, seq, work, start, deadline)
+        return UnwatchedWork(call, work)
     if st.polled:
-        return _wait_polled(op, pg, st, seq, work, start, deadline)
+        return _wait_polled(call, work)
     try:
         finished, token, has_future = wait_until(work, deadline)
     except BaseException:
         # Interrupted (Ctrl-C): the op is still in flight and this rank no longer in step.
-        pgstate.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
+        pgstate.mark_dead(pg, f"{call.name} was interrupted on rank {st.my_global_rank}")
         raise
     if finished:
-        return _finished(pg, st, op, seq, start, deadline, work) if has_future else work
-    fail(_timed_out(pg, st, op, seq, start, deadline, token=token))
+        return _finished(call, work) if has_future else work
+    fail(_timed_out(call, token=token))
 
 
-def _finished(
-    pg: Any, st: pgstate.GroupState, op: str, seq: int, start: float, deadline: float, work: Any
-) -> Any:
+def _finished(call: OpCall, work: Any) -> Any:
     """``work``, which ended: raises its backend error, made into fastdist's, if it failed."""
     try:
         work.wait()
     except RuntimeError as exc:
-        fail(_backend_failed(pg, st, op, seq, start, deadline, exc), exc)
+        fail(_backend_failed(call, exc), exc)
     return work
 
 
-def _timed_out(
-    pg: Any,
-    st: pgstate.GroupState,
-    op: str,
-    seq: int,
-    start: float,
-    deadline: float,
-    token: Any = None,
-    cause: str | None = None,
-) -> CollectiveTimeoutError:
+def _with_last_seen(call: OpCall) -> OpCall:
+    return dataclasses.replace(call, last_seen=call.st.prev_op_of(call.seq))
+
+
+def _timed_out(call: OpCall, token: Any = None, cause: str | None = None) -> CollectiveTimeoutError:
     """Marks the group dead and builds the report for a collective whose deadline passed."""
-    pgstate.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}", abandoned=token)
-    rep = board.report(st, op, seq, "timed_out", deadline - start)
-    return verdict.timeout_error(st, op, seq, start, deadline, rep, st.prev_op_of(seq), cause)
+    st = call.st
+    pgstate.mark_dead(call.pg, f"{call.name} timed out on rank {st.my_global_rank}", abandoned=token)
+    rep = board.report(st, call.op, call.seq, "timed_out", call.deadline - call.start)
+    return verdict.timeout_error(_with_last_seen(call), rep, cause)
 
 
-def _backend_failed(
-    pg: Any, st: pgstate.GroupState, op: str, seq: int, start: float, deadline: float, exc: RuntimeError
-) -> BaseException:
+def _backend_failed(call: OpCall, exc: RuntimeError) -> BaseException:
     """The error to raise for a backend failure, or ``exc`` itself if it is not about the group."""
     text = verdict.first_line(exc)
     said = verdict.classify(text)
     if said == verdict.TIMEOUT:
         # The backend's timeout beat the engine (possible on a loaded machine): same outcome.
-        return _timed_out(pg, st, op, seq, start, deadline, cause=text)
+        return _timed_out(call, cause=text)
     if said == verdict.PEER_CLOSED:
-        return verdict.peer_closed(pg, st, op, seq, start, deadline, st.prev_op_of(seq), text)
+        return verdict.peer_closed(_with_last_seen(call), text)
     return exc
 
 
-def _wait_polled(
-    op: str, pg: Any, st: pgstate.GroupState, seq: int, work: Any, start: float, deadline: float
-) -> Any:
+def _wait_polled(call: OpCall, work: Any) -> Any:
     """The blocking wait on an NCCL-like backend: returns once the work completed on the device
     (its completion query, not a host-wide synchronize), or aborts the group at the deadline."""
-    token = engine().add(deadline)
+    token = engine().add(call.deadline)
     try:
         finished = polled.wait_polled(work, token)
     except BaseException:
-        pgstate.mark_dead(pg, f"{op} #{seq} was interrupted on rank {st.my_global_rank}")
+        pgstate.mark_dead(call.pg, f"{call.name} was interrupted on rank {call.st.my_global_rank}")
         raise
     finally:
         token.cancel()
     if finished:
-        return _finished(pg, st, op, seq, start, deadline, work)
-    fail(_expire_polled(pg, st, op, seq, start, deadline))
+        return _finished(call, work)
+    fail(_expire_polled(call))
 
 
-def _expire_polled(
-    pg: Any, st: pgstate.GroupState, op: str, seq: int, start: float, deadline: float
-) -> CollectiveTimeoutError:
+def _expire_polled(call: OpCall) -> CollectiveTimeoutError:
     """At the deadline on an NCCL-like group: mark it dead, start aborting its communicators
     (in the background, bounded), and assemble the report meanwhile."""
-    pgstate.mark_dead(pg, f"{op} #{seq} timed out on rank {st.my_global_rank}")
-    last_seen = st.prev_op_of(seq)
+    st = call.st
+    pgstate.mark_dead(call.pg, f"{call.name} timed out on rank {st.my_global_rank}")
+    call = _with_last_seen(call)
     polled.abort_group(
-        pg,
-        st.is_default,
-        verdict.timeout_error(
-            st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
-        ),
+        call.pg, st.is_default, verdict.timeout_error(call, None, "aborting the communicators hung")
     )
-    rep = board.report(st, op, seq, "timed_out", deadline - start)
-    return verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, "communicators aborted")
+    rep = board.report(st, call.op, call.seq, "timed_out", call.deadline - call.start)
+    return verdict.timeout_error(call, rep, "communicators aborted")
 
 
 # Handles whose deadline passed wait here until its expiry ran (rare: one condition for all,
@@ -169,15 +155,14 @@ class UnwatchedWork(Work):
     """The :class:`fastdist.Work` of an op on an unwatched group: an engine token expires it at
     the deadline (marking the group dead and building the report on the engine's executor)."""
 
-    def __init__(
-        self, op: str, pg: Any, st: pgstate.GroupState, seq: int, work: Any, start: float, deadline: float
-    ) -> None:
+    def __init__(self, call: OpCall, work: Any) -> None:
+        op, pg, st, deadline = call.op, call.pg, call.st, call.deadline
         self.op = op
+        self._call = call
         self._pg = pg
         self._st = st
-        self._seq = seq
+        self._seq = call.seq
         self._work = work
-        self._start = start
         self._deadline = deadline
         self._error: BaseException | None = None
         self._reported = False  # the expiry ran (see _report_cond)
@@ -205,13 +190,9 @@ class UnwatchedWork(Work):
             if (self._polled or not self._has_future) and self._work.is_completed():
                 return  # finished; only nobody was told (no future, or not polled yet)
             if self._polled:
-                self._error = _expire_polled(
-                    self._pg, self._st, self.op, self._seq, self._start, self._deadline
-                )
+                self._error = _expire_polled(self._call)
             else:
-                self._error = _timed_out(
-                    self._pg, self._st, self.op, self._seq, self._start, self._deadline, token=self._token
-                )
+                self._error = _timed_out(self._call, token=self._token)
                 abandon(self._token, self._callback_ref)
         except BaseException as exc:  # noqa: BLE001 - made into the handle's error
             reason = (
@@ -263,9 +244,7 @@ class UnwatchedWork(Work):
 
     def _failure(self, exc: RuntimeError) -> BaseException:
         if self._error is None:
-            self._error = _backend_failed(
-                self._pg, self._st, self.op, self._seq, self._start, self._deadline, exc
-            )
+            self._error = _backend_failed(self._call, exc)
         return self._error
 
     def wait(self, timeout: TimeoutLike = None) -> bool:

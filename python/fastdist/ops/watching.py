@@ -32,6 +32,7 @@ from ..deadlines import current_time, get_default_timeout, run_timeout_handler
 from ..diagnostics import board, dump, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError, remember
 from ..groups import pgstate, registry
+from ..groups.opcall import OpCall
 from . import polled
 from .work import run_handler_unwaited
 
@@ -140,7 +141,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     start = float(info["start"])
     deadline = float(info["deadline"])
-    last_seen = info["prev"] or None
+    call = OpCall(op, pg, st, seq, start, deadline, info["prev"] or None)
     if kind == "interrupted":
         global _interrupted
         _interrupted = True
@@ -155,7 +156,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         # would give two).
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     if kind == "remote":
-        return _remote_fault(pg, st, op, seq, start, deadline, last_seen, info)
+        return _remote_fault(call, info)
     text = verdict.first_line(info["detail"] or "")
     said = verdict.classify(text)
     if kind == "timeout" or said == verdict.TIMEOUT:
@@ -163,19 +164,17 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
             pg,
             st,
             f"{op} #{seq} timed out on rank {st.my_global_rank}",
-            verdict.timeout_error(
-                st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
-            ),
+            verdict.timeout_error(call, None, "aborting the communicators hung"),
         )
         rep = board.report(st, op, seq, "timed_out", deadline - start)
         cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
         if rep is None and board.store_failure is not None:
             cause = board.store_gone_reason()
-        err: BaseException = verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, cause)
+        err: BaseException = verdict.timeout_error(call, rep, cause)
         _run_handler(err, info["waiter"])
         return err
     if said == verdict.PEER_CLOSED:
-        err = verdict.peer_closed(pg, st, op, seq, start, deadline, last_seen, text)
+        err = verdict.peer_closed(call, text)
         if isinstance(err, CollectiveTimeoutError):
             _run_handler(err, info["waiter"])
         return err
@@ -184,19 +183,11 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
 
 
-def _remote_fault(
-    pg: Any,
-    st: GroupState,
-    op: str,
-    seq: int,
-    start: float,
-    deadline: float,
-    last_seen: str | None,
-    info: dict[str, Any],
-) -> BaseException:
+def _remote_fault(call: OpCall, info: dict[str, Any]) -> BaseException:
     """A peer reported a fault on the group (fastdist.diagnostics.listener) while this rank's op
-    ``seq`` was in flight. In the same op: the same timeout, with the same report (everyone raises together).
-    In another: the group is dead under this op; say whose fault it was."""
+    ``call`` was in flight. In the same op: the same timeout, with the same report (everyone
+    raises together). In another: the group is dead under this op; say whose fault it was."""
+    pg, st, op, seq, start, deadline = call.pg, call.st, call.op, call.seq, call.start, call.deadline
     try:
         peer = json.loads(info["detail"])
     except ValueError:
@@ -224,14 +215,12 @@ def _remote_fault(
             pg,
             st,
             f"{op} #{seq} timed out on {who}",
-            verdict.timeout_error(
-                st, op, seq, start, deadline, None, last_seen, "aborting the communicators hung"
-            ),
+            verdict.timeout_error(call, None, "aborting the communicators hung"),
         )
         rep = board.report(
             st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, rung=True
         )
-        err = verdict.timeout_error(st, op, seq, start, deadline, rep, last_seen, f"{who} timed out first")
+        err = verdict.timeout_error(call, rep, f"{who} timed out first")
         _run_handler(err, info["waiter"])
         return err
     verb = "timed out in" if peer.get("state") == "timed_out" else "failed in"
