@@ -251,7 +251,7 @@ def test_errors_build_messages_from_fields_and_round_trip_through_pickle() -> No
         cause=None,
     )
     assert str(err) == (
-        "all_reduce #57 on group 'default' timed out after 10.0 s on rank 0: "
+        "all_reduce #57 on group 'default' timed out on rank 0 after a timeout of 10.0 s: "
         "rank 2 never arrived (last seen in all_reduce #56); rank 3 is in barrier #57"
     )
     assert isinstance(err, TimeoutError) and isinstance(err, FastdistError)
@@ -279,7 +279,7 @@ def test_errors_build_messages_from_fields_and_round_trip_through_pickle() -> No
         cause=None,
     )
     assert str(two) == (
-        "barrier #3 on group 'g' timed out after 2 s on rank 1: ranks 2, 3 never arrived "
+        "barrier #3 on group 'g' timed out on rank 1 after a timeout of 2 s: ranks 2, 3 never arrived "
         "(last seen in barrier #2)"
     )
     for err2 in (

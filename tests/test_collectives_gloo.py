@@ -36,7 +36,7 @@ def test_absent_rank_times_out_everyone_who_waited(world_size: int) -> None:
         # The fourth fastdist op on the group (barrier, all_gather x2 before it) names the absent rank.
         absent = world_size - 1
         assert t["message"].startswith(
-            f"barrier #4 on group 'default' timed out after 1.5 s on rank {r.rank}: "
+            f"barrier #4 on group 'default' timed out on rank {r.rank} after a timeout of 1.5 s: "
             f"rank {absent} never arrived (last seen in all_gather #3)"
         ), t["message"]
         # The absent rank is alive, its main thread in a store.wait on the job's store client (as a

@@ -42,7 +42,7 @@ def test_two_ranks_of_four_hang() -> None:
         assert r.record("failed_at")["step"] == 2
         first, *where = err["message"].splitlines()
         assert first == (
-            f"all_reduce #3 on group 'default' timed out after 1.5 s on rank {r.rank}: "
+            f"all_reduce #3 on group 'default' timed out on rank {r.rank} after a timeout of 1.5 s: "
             "ranks 2, 3 never arrived (last seen in all_reduce #2)"
         ), info
         # Where the two stuck ranks are (issue 14): alive, in the scenario's loop, not in an op.
@@ -109,13 +109,13 @@ def test_wrong_collective_gives_the_same_desync_report_everywhere_then_checks_ca
         if r.rank == 2:
             assert err["desynced"] == {"0": "all_reduce #2", "1": "all_reduce #2"}, info
             assert err["message"].startswith(
-                "barrier #2 on group 'default' timed out after 1.5 s on rank 2: "
+                "barrier #2 on group 'default' timed out on rank 2 after a timeout of 1.5 s: "
                 "rank 0 is in all_reduce #2; rank 1 is in all_reduce #2"
             ), info
         else:
             assert err["desynced"] == {"2": "barrier #2"}, info
             assert err["message"].startswith(
-                f"all_reduce #2 on group 'default' timed out after 1.5 s on rank {r.rank}: "
+                f"all_reduce #2 on group 'default' timed out on rank {r.rank} after a timeout of 1.5 s: "
                 "rank 2 is in barrier #2"
             ), info
         _check_recovered(r, info, 3, 6.0)

@@ -23,7 +23,9 @@ def test_nccl_path_logic_on_a_test_double() -> None:
     assert a["reaped"] in (1, 2) and a["pending"] == 0 and a["unwaited_done"], info
     t = r.record("timeout")
     assert 0.5 <= t["elapsed"] < 1.5 and t["aborts_done"] and t["aborted"] == 1, info
-    assert "all_reduce #5 on group 'default' timed out after 0.5 s on rank 0" in t["message"], info
+    assert "all_reduce #5 on group 'default' timed out on rank 0 after a timeout of 0.5 s" in t["message"], (
+        info
+    )
     assert r.has("refused"), info
     rec = r.record("recovered")
     assert rec["value"] == 3.0 and rec["dead"] is False, info

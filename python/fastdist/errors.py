@@ -134,8 +134,8 @@ class CollectiveTimeoutError(FastdistError, TimeoutError):
             )
         else:
             text = (
-                f"{what} on group {self.group!r} timed out after {_fmt_seconds(self.timeout)} on rank "
-                f"{self.rank}"
+                f"{what} on group {self.group!r} timed out on rank {self.rank} after a timeout of "
+                f"{_fmt_seconds(self.timeout)}"
             )
         parts = []
         if self.missing_ranks:
