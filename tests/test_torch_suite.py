@@ -60,6 +60,7 @@ def _run(watched: bool) -> tuple[set[str], str]:
                 "ignore::DeprecationWarning",
             ]
             + ids,
+            check=False,
             env=env,
             capture_output=True,
             text=True,
@@ -67,7 +68,7 @@ def _run(watched: bool) -> tuple[set[str], str]:
             cwd=tmp,
         )
     out = proc.stdout + proc.stderr
-    return set(re.findall(r"^PASSED \S+::TestTorchSuite::(\w+)", out, re.M)), out
+    return set(re.findall(r"^PASSED \S+::TestTorchSuite::(\w+)", out, re.MULTILINE)), out
 
 
 @pytest.mark.timeout(900)

@@ -14,10 +14,9 @@ import os
 import threading
 from typing import Any
 
+import fastdist
 import torch.distributed as dist
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend
-
-import fastdist
 
 if os.environ.get("FASTDIST_WATCHED") == "1":
     _torch_init = dist.init_process_group
