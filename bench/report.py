@@ -63,6 +63,17 @@ def build(data: dict) -> tuple[str, dict]:
                     f"| {label[op]} | {x['raw_median_us']:.1f} us | {x['fastdist_median_us']:.1f} us | "
                     f"{x['ratio_of_medians']:.3f} | {x['added_us']:+.1f} us |"
                 )
+    m = b.get("test_metrics_cost", {}).get("extra_info")
+    if m:
+        lines += [
+            "",
+            (
+                f"Metrics (issue 28): the DDP step while Prometheus scrapes this rank every second, "
+                f"{m['fastdist_median_us']:.1f} us against {m['raw_median_us']:.1f} us unscraped: ratio "
+                f"{m['ratio_of_medians']:.3f} (goal <= 1.01; {m['scrapes']} scrapes of "
+                f"{m['scrape_ms']:.2f} ms)."
+            ),
+        ]
     w = b.get("test_wait_on_a_completed_future", {}).get("extra_info")
     f = b.get("test_fail_after_enter_exit", {}).get("extra_info")
     if w:

@@ -1,7 +1,11 @@
-"""Entry point of one rank in a multi-process test: ``rank_main.py SCENARIO RANK WORLD PORT``."""
+"""Entry point of one rank in a multi-process test: ``rank_main.py SCENARIO RANK WORLD PORT``.
+
+SCENARIO is a function of tests/scenarios*.py, or ``MODULE:FUNCTION`` (a test module of tests/ that
+holds its ranks' code beside its assertions)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
@@ -53,8 +57,12 @@ def main() -> None:
 
     ctx = Context(rank, world_size, port)
     try:
-        module = next(m for m in (scenarios, scenarios_watched, scenarios_etcd) if hasattr(m, scenario))
-        getattr(module, scenario)(ctx)
+        if ":" in scenario:  # "test_module:function": the rank code beside the test's assertions
+            name, _, func = scenario.partition(":")
+            getattr(importlib.import_module(name), func)(ctx)
+        else:
+            module = next(m for m in (scenarios, scenarios_watched, scenarios_etcd) if hasattr(m, scenario))
+            getattr(module, scenario)(ctx)
     except Exception:
         ctx.record("crash", traceback=traceback.format_exc())
         sys.stdout.flush()

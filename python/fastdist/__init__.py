@@ -55,6 +55,7 @@ from .errors import (
 from .groups.checks import checks_enabled, set_checks
 from .groups.pgstate import is_dead
 from .groups.registry import history
+from .metrics import serve_metrics
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .process_group import get_rank, get_world_size, init_process_group
 from .recovery.recover import recover, sync_state
@@ -110,6 +111,7 @@ __all__ = [
     "scatter",
     "scatter_object_list",
     "send",
+    "serve_metrics",
     "set_checks",
     "set_default_timeout",
     "set_timeout_handler",

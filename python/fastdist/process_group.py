@@ -13,7 +13,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import shutdown  # noqa: F401  (the exit hook: registered with the first import of fastdist)
+from . import (
+    metrics,
+    shutdown,  # noqa: F401  (the exit hook: registered with the first import of fastdist)
+)
 from .deadlines import RendezvousTimeout, validate_seconds
 from .diagnostics import board, listener
 from .ops import watching
@@ -66,6 +69,10 @@ def init_process_group(
     ``FASTDIST_SPARES=K``): the last K processes of the launch hold no rank (the world size is
     the launched size minus K); each waits here, blocked, until ``fastdist run`` gives it a dead
     rank's place (it then joins), and exits 0 when the job ends without it.
+
+    ``FASTDIST_METRICS_PORT=PORT``: serves Prometheus metrics on PORT + LOCAL_RANK (see
+    :func:`fastdist.serve_metrics`); ``FASTDIST_EVENTS=PATH``: writes an event per fault and
+    recovery (fastdist.diagnostics.events).
     """
     td = None if timeout is None else _group_timedelta(validate_seconds(timeout, "timeout"))
     connect = 60.0 if connect_timeout is None else validate_seconds(connect_timeout, "connect_timeout")
@@ -191,6 +198,7 @@ def init_process_group(
             lineage["reconnect"] = None
         else:
             lineage["root"].set(LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
+    metrics.serve_from_environment()
     if joiner:
         logger.info("rank %d joins the running job: call fastdist.sync_state(state) to take its place", rank)
         return

@@ -28,7 +28,7 @@ from ..groups import pgstate, registry
 from ..store import keys, keywait
 from ..store.bounded import bounded
 from ..store.etcd import queues_of
-from . import board, ring, stacks
+from . import board, events, ring, stacks
 
 logger = logging.getLogger(__name__)
 
@@ -171,5 +171,6 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
             reason = f"{fault['dead']}; {reason}"
         for b in backends:
             b.fail_remote(record, reason)
-        if not inflight:
+        if not inflight:  # (an op in flight counts its fault where it fails: fastdist.ops.watching)
             pgstate.mark_dead(pg, reason)
+            events.emit("abort", st.my_global_rank, st.name, st.generation, str(fault["op"]), reason=reason)

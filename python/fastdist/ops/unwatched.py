@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Callable, NoReturn
 
 from ..deadlines import TimeoutLike, current_time, effective_deadline, engine
-from ..diagnostics import board, verdict
+from ..diagnostics import board, events, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError
 from ..groups import checks, pgstate
 from ..groups.opcall import OpCall
@@ -99,7 +99,25 @@ def _timed_out(call: OpCall, token: Any = None, cause: str | None = None) -> Col
     st = call.st
     pgstate.mark_dead(call.pg, f"{call.name} timed out on rank {st.my_global_rank}", abandoned=token)
     rep = board.report(st, call.op, call.seq, "timed_out", call.deadline - call.start)
-    return verdict.timeout_error(_with_last_seen(call), rep, cause)
+    return _counted(verdict.timeout_error(_with_last_seen(call), rep, cause), st)
+
+
+def _counted(err: CollectiveTimeoutError, st: pgstate.GroupState) -> CollectiveTimeoutError:
+    """``err``, its event counted (fastdist.diagnostics.events)."""
+    events.emit(
+        "timeout",
+        st.my_global_rank,
+        st.name,
+        st.generation,
+        err.op,
+        seq=err.seq,
+        missing_ranks=err.missing_ranks,
+        timeout=err.timeout,
+        detection=err.elapsed,
+        world_size=st.size,
+        straggler=err.straggler,
+    )
+    return err
 
 
 def _backend_failed(call: OpCall, exc: RuntimeError) -> BaseException:
@@ -140,7 +158,7 @@ def _expire_polled(call: OpCall) -> CollectiveTimeoutError:
         call.pg, st.is_default, verdict.timeout_error(call, None, "aborting the communicators hung")
     )
     rep = board.report(st, call.op, call.seq, "timed_out", call.deadline - call.start)
-    return verdict.timeout_error(call, rep, "communicators aborted")
+    return _counted(verdict.timeout_error(call, rep, "communicators aborted"), st)
 
 
 # Handles whose deadline passed wait here until its expiry ran (rare: one condition for all,

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import ProcessGroup
 
 from .._native import _core, _watched
 from ..deadlines import current_time, get_default_timeout, run_timeout_handler
-from ..diagnostics import board, dump, verdict
+from ..diagnostics import board, dump, events, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError, remember
 from ..groups import pgstate, registry
 from ..groups.opcall import OpCall
@@ -125,7 +125,33 @@ def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
         # A copy: the error itself gets a traceback when raised, and with it the frames of the
         # failed call; kept here, those would live on.
         remember(copy.copy(err))
+        _count(ctl_id, info["kind"], err)
     return err
+
+
+def _count(ctl_id: int, kind: str, err: BaseException) -> None:
+    """The fault's event (fastdist.diagnostics.events): counted, and written when asked."""
+    pg = registry.group_of(ctl_id)
+    if pg is None:
+        return
+    st = pgstate.state_of(pg)
+    if isinstance(err, CollectiveTimeoutError):
+        events.emit(
+            "timeout",
+            st.my_global_rank,
+            st.name,
+            st.generation,
+            err.op,
+            seq=err.seq,
+            missing_ranks=err.missing_ranks,
+            timeout=err.timeout,
+            detection=err.elapsed,
+            world_size=st.size,
+            straggler=err.straggler,
+        )
+    elif isinstance(err, GroupAbortedError):
+        event = "interrupt" if kind == "interrupted" else "abort"
+        events.emit(event, st.my_global_rank, st.name, st.generation, err.op, reason=err.reason)
 
 
 def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:

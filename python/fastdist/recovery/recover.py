@@ -32,7 +32,7 @@ from ..deadlines import (
     fail_at,
     get_default_timeout,
 )
-from ..diagnostics import board, listener
+from ..diagnostics import board, events, listener
 from ..errors import FastdistError, RecoveryError
 from ..groups import pgstate, registry
 from ..ops import polled
@@ -227,6 +227,8 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
                 "rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway",
                 me,
             )
+        for g in registry.watched_groups() if is_default else [pg]:
+            events.retire(pgstate.state_of(g).name, registry.history(g))
         groups = _rebuild_in_place(pg, is_default, gen, deadline)
         wrappers.reset_ddp(groups)
         wrappers.reset_fsdp()
@@ -238,6 +240,18 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
             if me == joiners[0]:  # every member read the list before the hand-over's barrier
                 with contextlib.suppress(RuntimeError):  # a store without delete keeps it
                     store.delete_key(_joiners_key(st, gen))
+        for j in joiners:
+            events.emit("replacement", me, st.name, gen, replaced_rank=j)
+        events.emit(
+            "recovery",
+            me,
+            st.name,
+            gen,
+            world_size=st.size,
+            in_place=True,
+            joiners=joiners,
+            recovery=current_time() - start,
+        )
         return pg
     if st.dead_reason is None:
         pgstate.mark_dead(pg, "replaced by fastdist.recover()", level=logging.INFO)
@@ -246,6 +260,8 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
             "rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me
         )
     pgstate.hold(pg)
+    for g in registry.watched_groups() if is_default else [pg]:
+        events.retire(pgstate.state_of(g).name, registry.history(g))
     if is_default:
         old_groups = registry.watched_groups() or [pg]
         new = _rebuild_default(gen, new_rank, new_size)
@@ -257,6 +273,11 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
     pgstate.release_finished()
     logger.info(
         "rank %d: group %r rebuilt as generation %d: rank %d of %d", me, st.name, gen, new_rank, new_size
+    )
+    left_out = sorted(set(st.global_ranks or range(st.size)) - set(members))
+    events.emit("shrink", me, st.name, gen, world_size=new_size, left_out=left_out)
+    events.emit(
+        "recovery", me, st.name, gen, world_size=new_size, in_place=False, recovery=current_time() - start
     )
     return new
 
