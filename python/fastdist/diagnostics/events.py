@@ -15,7 +15,12 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CollectiveTimeoutError, GroupAbortedError
+
+if TYPE_CHECKING:
+    from ..groups.pgstate import GroupState
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +91,27 @@ def emit(event: str, rank: int, group: str, generation: int, op: str = "", **fie
             os.close(fd)
     except OSError as exc:
         logger.warning("fastdist: could not write an event to %s: %r", path, exc)
+
+
+def fault(st: GroupState, err: BaseException, interrupted: bool = False) -> None:
+    """The event of a fault on the group of ``st`` that ended an op with ``err``."""
+    if isinstance(err, CollectiveTimeoutError):
+        emit(
+            "timeout",
+            st.my_global_rank,
+            st.name,
+            st.generation,
+            err.op,
+            seq=err.seq,
+            missing_ranks=err.missing_ranks,
+            timeout=err.timeout,
+            detection=err.elapsed,
+            world_size=st.size,
+            straggler=err.straggler,
+        )
+    elif isinstance(err, GroupAbortedError):
+        event = "interrupt" if interrupted else "abort"
+        emit(event, st.my_global_rank, st.name, st.generation, err.op, reason=err.reason)
 
 
 def read(path: str) -> list[dict[str, Any]]:

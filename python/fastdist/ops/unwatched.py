@@ -104,19 +104,7 @@ def _timed_out(call: OpCall, token: Any = None, cause: str | None = None) -> Col
 
 def _counted(err: CollectiveTimeoutError, st: pgstate.GroupState) -> CollectiveTimeoutError:
     """``err``, its event counted (fastdist.diagnostics.events)."""
-    events.emit(
-        "timeout",
-        st.my_global_rank,
-        st.name,
-        st.generation,
-        err.op,
-        seq=err.seq,
-        missing_ranks=err.missing_ranks,
-        timeout=err.timeout,
-        detection=err.elapsed,
-        world_size=st.size,
-        straggler=err.straggler,
-    )
+    events.fault(st, err)
     return err
 
 

@@ -132,26 +132,8 @@ def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
 def _count(ctl_id: int, kind: str, err: BaseException) -> None:
     """The fault's event (fastdist.diagnostics.events): counted, and written when asked."""
     pg = registry.group_of(ctl_id)
-    if pg is None:
-        return
-    st = pgstate.state_of(pg)
-    if isinstance(err, CollectiveTimeoutError):
-        events.emit(
-            "timeout",
-            st.my_global_rank,
-            st.name,
-            st.generation,
-            err.op,
-            seq=err.seq,
-            missing_ranks=err.missing_ranks,
-            timeout=err.timeout,
-            detection=err.elapsed,
-            world_size=st.size,
-            straggler=err.straggler,
-        )
-    elif isinstance(err, GroupAbortedError):
-        event = "interrupt" if kind == "interrupted" else "abort"
-        events.emit(event, st.my_global_rank, st.name, st.generation, err.op, reason=err.reason)
+    if pg is not None:
+        events.fault(pgstate.state_of(pg), err, interrupted=kind == "interrupted")
 
 
 def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
