@@ -11,7 +11,6 @@ fastdist.diagnostics.events. Nothing is added to an op's path.
 
 from __future__ import annotations
 
-import http.server
 import os
 import threading
 from collections.abc import Iterator
@@ -137,6 +136,8 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> int:
     ``prometheus_client``'s; idempotent per port). Returns the port (``port=0``: one picked)."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+    import http.server  # here, not at import: `import fastdist` imports nothing torch does not
+
     try:
         from prometheus_client import CollectorRegistry, MetricsHandler
     except ImportError:
