@@ -55,6 +55,23 @@ std::exception_ptr build_fault(std::uintptr_t ctl, const FaultInfo& info) {
   }
 }
 
+py::object& py_check() {
+  static auto* c = new py::object();  // leaked: never destroyed after the interpreter
+  return *c;
+}
+
+// Calls fastdist's check (fastdist.ops.watching) for an op torch issues; a mismatch raises there.
+bool run_check(std::uintptr_t ctl, const char* op, const std::string& signature, double deadline) {
+  if (python_finalizing() || py_check().ptr() == nullptr) return true;
+  py::gil_scoped_acquire gil;
+  try {
+    return py_check()(ctl, op, signature, deadline).cast<bool>();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    std::rethrow_exception(fetch_python_error());
+  }
+}
+
 }  // namespace
 }  // namespace fastdist::watched
 
@@ -71,6 +88,9 @@ PYBIND11_MODULE(_watched, m) {
     shared_engine() = *engine;
   });
   m.def("set_fault_builder", [](py::object fn) { py_builder() = std::move(fn); });
+  set_check_hook(&run_check);
+  m.def("set_check_hook", [](py::object fn) { py_check() = std::move(fn); });
+  m.def("set_checks_enabled", &set_checks_enabled, py::arg("on"));
   m.def("set_main_thread", [](unsigned long ident) { set_main_thread(ident); });
   m.def("push_scope", [](double deadline) { push_scope(seconds_arg(deadline, "deadline")); });
   m.def("pop_scope", &pop_scope);

@@ -18,6 +18,11 @@
 //
 // Lock order: the GIL before GroupCtl::mu before WatchedWork::mu; no lock is held while Python
 // runs or while an inner backend is called.
+//
+// Where each part lives: backend.cpp (WatchedBackend, the registry of backends), work.cpp
+// (WatchedWork), group.cpp (GroupCtl, the fault builder, the checks), scopes.cpp (deadline
+// scopes), poller.cpp (NCCL-like completion), signals.cpp (Ctrl-C), errors.cpp; module.cpp
+// binds them to Python.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -62,13 +67,22 @@ struct FaultInfo {
   bool waiter = false;  // built on a thread that waits for the op (it may run the handler)
 };
 
-// Builds a FaultError (see watched.cpp) from the Python error currently set; needs the GIL.
+// Builds a FaultError (see errors.cpp) from the Python error currently set; needs the GIL.
 std::exception_ptr fetch_python_error();
 bool python_finalizing();
 
 // Builds the exception for a fault; runs Python (takes the GIL). Returns a python_error.
 using FaultBuilder = std::function<std::exception_ptr(std::uintptr_t ctl, const FaultInfo&)>;
 void set_fault_builder(FaultBuilder builder);
+
+// Cross-rank checks (FASTDIST_CHECK=1) of the ops torch issues on a watched group: with checks
+// on, every op not issued by fastdist's own functions (which check their own) is compared with
+// the other ranks' before it is issued. The hook runs Python (takes the GIL); it returns false
+// when the deadline passed while comparing, and throws (a python_error: CollectiveMismatchError)
+// on a mismatch, before anything is sent.
+using CheckHook = std::function<bool(std::uintptr_t ctl, const char* op, const std::string& signature, double deadline)>;
+void set_check_hook(CheckHook hook);
+void set_checks_enabled(bool on);
 
 // One op in a group's history (GroupCtl::history): a fixed-size record, written at issue and
 // at end under the group's lock (no allocation on the hot path).

@@ -1,5 +1,8 @@
 """Opt-in cross-rank checks (``FASTDIST_CHECK=1`` or :func:`set_checks`): before each collective,
 every rank publishes the op, dtypes and shapes it is about to use, and all ranks compare them.
+That is every collective on a watched group, whoever issues it (torch.distributed, DDP, FSDP2:
+the watched backend asks fastdist.ops.watching before it issues one), and fastdist's own
+functions on any group. Point-to-point ops are not compared (only two ranks take part).
 
 A mismatch would otherwise hang until the deadline (different collectives) or worse: gloo aborts
 the whole process on an all_gather size mismatch. With checks on it becomes
@@ -14,6 +17,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from .._native import _watched
 from ..deadlines import current_time
 from ..errors import CollectiveMismatchError
 from ..store import keys
@@ -24,6 +28,7 @@ if TYPE_CHECKING:
 # Read on every op (the hot path reads the attribute, not checks_enabled()).
 active = os.environ.get("FASTDIST_CHECK", "") not in ("", "0")
 _POLL_SECONDS = 0.0005
+_watched.set_checks_enabled(active)
 
 
 def set_checks(enabled: bool) -> None:
@@ -33,6 +38,7 @@ def set_checks(enabled: bool) -> None:
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
     active = enabled
+    _watched.set_checks_enabled(enabled)
 
 
 def checks_enabled() -> bool:

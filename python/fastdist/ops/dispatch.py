@@ -144,7 +144,7 @@ class WatchedHandle(Work):
         try:
             return bool(self._work.wait(datetime.timedelta(seconds=max(0.001, limit - now))))
         except RuntimeError as exc:
-            # The watched work's bounded wait ran out (its own words, in watched.cpp); the op's
+            # The watched work's bounded wait ran out (its own words, in csrc/watched/work.cpp); the op's
             # own errors are fastdist's typed ones.
             if isinstance(exc, FastdistError) or _WAIT_RAN_OUT not in str(exc):
                 raise

@@ -31,7 +31,7 @@ from .._native import _core, _watched
 from ..deadlines import current_time, get_default_timeout, run_timeout_handler
 from ..diagnostics import board, dump, events, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError, remember
-from ..groups import pgstate, registry
+from ..groups import checks, pgstate, registry
 from ..groups.opcall import OpCall
 from . import polled
 from .work import run_handler_unwaited
@@ -104,6 +104,7 @@ def activate(user_timeout: float | None) -> None:
             return
         _watched.set_engine(_core._engine_capsule())
         _watched.set_fault_builder(_build)
+        _watched.set_check_hook(_check)
         _watched.set_main_thread(threading.main_thread().ident or 0)
         _watched.install_sigint_hook()
         ProcessGroup._register_backend = _register_backend  # type: ignore[method-assign,assignment]
@@ -127,6 +128,18 @@ def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
         remember(copy.copy(err))
         _count(ctl_id, info["kind"], err)
     return err
+
+
+def _check(ctl_id: int, op: str, signature: str, deadline: float) -> bool:
+    """The cross-rank check of an op torch issues on a watched group (FASTDIST_CHECK=1), called
+    from C++ before the op is issued: False when the deadline passed first; raises
+    CollectiveMismatchError on a mismatch (on every rank: none of them issues the op)."""
+    pg = registry.group_of(ctl_id)
+    if pg is None:
+        return True
+    st = pgstate.state_of(pg)
+    st.seq += 1  # numbered apart from the backend's ops, as fastdist's own checked calls are
+    return checks.verify(st, op, st.seq, f"{op}({signature})", deadline)
 
 
 def _count(ctl_id: int, kind: str, err: BaseException) -> None:

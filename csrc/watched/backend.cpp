@@ -1,0 +1,307 @@
+// WatchedBackend: the c10d Backend that wraps a group's own and watches each of its ops, and the
+// registry of every watched backend.
+#include "internal.h"
+
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+
+namespace fastdist::watched {
+
+namespace {
+
+std::mutex& backends_mu() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+std::vector<c10::weak_intrusive_ptr<WatchedBackend>>& backends() {
+  static auto* v = new std::vector<c10::weak_intrusive_ptr<WatchedBackend>>();
+  return *v;
+}
+
+}  // namespace
+
+std::vector<c10::intrusive_ptr<WatchedBackend>> live_backends() {
+  std::vector<c10::intrusive_ptr<WatchedBackend>> out;
+  std::lock_guard<std::mutex> lk(backends_mu());
+  auto& v = backends();
+  v.erase(std::remove_if(v.begin(), v.end(), [&](auto& w) {
+            auto strong = w.lock();
+            if (!strong) return true;
+            out.push_back(std::move(strong));
+            return false;
+          }),
+          v.end());
+  return out;
+}
+
+void keep_dead_backends() {
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Backend>>();  // never freed
+  for (auto& b : live_backends()) {
+    if (b->ctl()->dead()) kept->push_back(b->inner());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// WatchedBackend
+
+WatchedBackend::WatchedBackend(c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<GroupCtl> ctl)
+    : c10d::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), ctl_(std::move(ctl)) {
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 3
+  setBoundDeviceId(inner_->getBoundDeviceId());
+#endif
+}
+
+void register_backend(const c10::intrusive_ptr<WatchedBackend>& b) {
+  std::lock_guard<std::mutex> lk(backends_mu());
+  backends().emplace_back(b);
+}
+
+c10::intrusive_ptr<c10d::Backend> WatchedBackend::inner() {
+  std::lock_guard<std::mutex> lk(inner_mu_);
+  return inner_;
+}
+
+void WatchedBackend::swap_inner(c10::intrusive_ptr<c10d::Backend> fresh) {
+  TORCH_CHECK(fresh->getRank() == getRank() && fresh->getSize() == getSize(),
+              "fastdist: a group rebuilt in place keeps its rank and size");
+  {
+    std::lock_guard<std::mutex> lk(inner_mu_);
+    inner_.swap(fresh);
+  }
+  ctl_->revive();
+  // `fresh` now holds the old backend; it is dropped here, outside the lock.
+}
+
+Nanos WatchedBackend::deadline_for(Nanos now) {
+  Nanos d;
+  if (take_next_deadline(d)) return d;
+  d = scope_deadline();
+  const Nanos dflt = ctl_->default_timeout.load(std::memory_order_relaxed);
+  if (dflt != kNever && dflt < kNever - now) d = std::min(d, now + dflt);
+  return d;
+}
+
+void WatchedBackend::refuse_if_dead(const char* op) {
+  if (ctl_->dead()) {
+    Nanos unused;
+    take_next_deadline(unused);
+    std::rethrow_exception(ctl_->refusal(op));
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> WatchedBackend::watch(const char* op, c10d::OpType type, std::uint64_t seq, Nanos start,
+                                                     Nanos deadline, c10::intrusive_ptr<c10d::Work> inner) {
+  auto w = c10::make_intrusive<WatchedWork>(std::move(inner), ctl_, op, seq, start, deadline, type);
+  w->arm();
+  return w;
+}
+
+template <typename Opts, typename Issue>
+c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue,
+                                                   c10::ArrayRef<at::Tensor> ins) {
+  refuse_if_dead(op);
+  const bool from_fastdist = has_next_deadline();  // fastdist's own functions checked the call already
+  Nanos now = steady_now();
+  Nanos deadline = deadline_for(now);
+  const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+                   type == c10d::OpType::RECVANYSOURCE || type == c10d::OpType::COALESCED;
+  if (checks_enabled() && !from_fastdist && !p2p && deadline > now && check_hook()) {
+    // Compared with the other ranks' before anything is sent: a mismatch (a size that differs
+    // in an all_gather, say) would otherwise end the process inside gloo.
+    if (!check_hook()(ctl_->id(), op, signature_of(ins), nanos_to_seconds(deadline))) deadline = steady_now();
+    now = steady_now();
+  }
+  if (deadline <= now) {
+    // The deadline passed before the op was issued: this rank skips it, so the group is out of
+    // step. Say so, as for a timeout.
+    const std::uint64_t seq = ctl_->begin(op, now, ins);
+    FaultInfo fi;
+    fi.kind = "timeout";
+    fi.op = op;
+    fi.seq = seq;
+    fi.start = nanos_to_seconds(now);
+    fi.deadline = nanos_to_seconds(deadline);
+    fi.detail = "the deadline had passed before the call";
+    fi.prev = ctl_->prev_of(seq);
+    fi.waiter = true;
+    std::rethrow_exception(ctl_->fault(fi));
+  }
+  Opts o = opts;
+  if (!ctl_->polled && deadline != kNever) {
+    // gloo gives up `grace` after fastdist's deadline, freeing its worker thread: 10% of the
+    // budget, between 0.1 and 1 s (the skew between ranks' deadlines is absorbed by it).
+    const double budget = nanos_to_seconds(deadline - now);
+    const double grace = std::min(1.0, std::max(0.1, 0.1 * budget));
+    const double ms = std::ceil((budget + grace) * 1000.0);
+    if (ms < 1e12) {
+      auto t = std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+      if (o.timeout == c10d::kUnsetTimeout || t < o.timeout) o.timeout = t;
+    }
+  }
+  const std::uint64_t seq = ctl_->begin(op, now, ins);
+  auto inner = this->inner();
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = issue(*inner, o);
+  } catch (...) {
+    ctl_->rollback(seq);  // refused by the backend (bad arguments): nothing was sent
+    throw;
+  }
+  return watch(op, type, seq, now, deadline, std::move(work));
+}
+
+template <typename Issue>
+c10::intrusive_ptr<c10d::Work> WatchedBackend::run_plain(const char* op, c10d::OpType type, Issue&& issue,
+                                                         c10::ArrayRef<at::Tensor> ins) {
+  struct NoOpts {
+    std::chrono::milliseconds timeout = c10d::kUnsetTimeout;
+  } none;
+  return run(op, type, none, [&](c10d::Backend& b, NoOpts&) { return issue(b); }, ins);
+}
+
+const std::string WatchedBackend::getBackendName() const {
+  return const_cast<WatchedBackend*>(this)->inner()->getBackendName();
+}
+bool WatchedBackend::supportsSplitting() const { return const_cast<WatchedBackend*>(this)->inner()->supportsSplitting(); }
+bool WatchedBackend::supportsCoalescing() const {
+  return const_cast<WatchedBackend*>(this)->inner()->supportsCoalescing();
+}
+void WatchedBackend::setTimeout(std::chrono::milliseconds timeout) {
+  inner()->setTimeout(timeout);
+  ctl_->default_timeout.store(static_cast<Nanos>(timeout.count()) * 1'000'000);
+}
+void WatchedBackend::startCoalescing() { inner()->startCoalescing(); }
+c10::intrusive_ptr<c10d::Work> WatchedBackend::endCoalescing() {
+  return run_plain("coalesced", c10d::OpType::COALESCED, [](c10d::Backend& b) { return b.endCoalescing(); });
+}
+c10::intrusive_ptr<c10d::Backend::Options> WatchedBackend::getBackendOptions() { return inner()->getBackendOptions(); }
+
+c10::intrusive_ptr<c10d::Work> WatchedBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                         const c10d::BroadcastOptions& opts) {
+  return run("broadcast", c10d::OpType::BROADCAST, opts,
+             [&](c10d::Backend& b, c10d::BroadcastOptions& o) { return b.broadcast(tensors, o); }, tensors);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                         const c10d::AllreduceOptions& opts) {
+  return run("all_reduce", c10d::OpType::ALLREDUCE, opts,
+             [&](c10d::Backend& b, c10d::AllreduceOptions& o) { return b.allreduce(tensors, o); }, tensors);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                                const c10d::AllreduceOptions& opts) {
+  return run("all_reduce_sparse", c10d::OpType::ALLREDUCE, opts,
+             [&](c10d::Backend& b, c10d::AllreduceOptions& o) { return b.allreduce_sparse(tensors, o); }, tensors);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                   const c10d::AllreduceCoalescedOptions& opts) {
+  return run("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, opts,
+             [&](c10d::Backend& b, c10d::AllreduceCoalescedOptions& o) { return b.allreduce_coalesced(tensors, o); }, tensors);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  return run("reduce", c10d::OpType::REDUCE, opts,
+             [&](c10d::Backend& b, c10d::ReduceOptions& o) { return b.reduce(tensors, o); }, tensors);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllgatherOptions& opts) {
+  return run("all_gather", c10d::OpType::ALLGATHER, opts,
+             [&](c10d::Backend& b, c10d::AllgatherOptions& o) { return b.allgather(outputs, inputs, o); }, inputs);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                               const c10d::AllgatherOptions& opts) {
+  return run("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, opts,
+             [&](c10d::Backend& b, c10d::AllgatherOptions& o) { return b._allgather_base(output, input, o); }, input);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                   std::vector<at::Tensor>& inputs,
+                                                                   const c10d::AllgatherOptions& opts) {
+  return run("all_gather_coalesced", c10d::OpType::ALLGATHER_COALESCED, opts,
+             [&](c10d::Backend& b, c10d::AllgatherOptions& o) { return b.allgather_coalesced(outputs, inputs, o); }, inputs);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                               std::vector<at::Tensor>& inputs,
+                                                                               const c10d::AllgatherOptions& opts) {
+  return run("all_gather_into_tensor_coalesced", c10d::OpType::COALESCED, opts,
+             [&](c10d::Backend& b, c10d::AllgatherOptions& o) {
+               return b.allgather_into_tensor_coalesced(outputs, inputs, o);
+             }, inputs);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  return run("gather", c10d::OpType::GATHER, opts,
+             [&](c10d::Backend& b, c10d::GatherOptions& o) { return b.gather(outputs, inputs, o); }, inputs);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                       std::vector<std::vector<at::Tensor>>& inputs,
+                                                       const c10d::ScatterOptions& opts) {
+  return run("scatter", c10d::OpType::SCATTER, opts,
+             [&](c10d::Backend& b, c10d::ScatterOptions& o) { return b.scatter(outputs, inputs, o); });
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                              std::vector<std::vector<at::Tensor>>& inputs,
+                                                              const c10d::ReduceScatterOptions& opts) {
+  return run("reduce_scatter", c10d::OpType::REDUCE_SCATTER, opts,
+             [&](c10d::Backend& b, c10d::ReduceScatterOptions& o) { return b.reduce_scatter(outputs, inputs, o); });
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                    const c10d::ReduceScatterOptions& opts) {
+  return run("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, opts,
+             [&](c10d::Backend& b, c10d::ReduceScatterOptions& o) { return b._reduce_scatter_base(output, input, o); }, input);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                               std::vector<at::Tensor>& inputs,
+                                                                               const c10d::ReduceScatterOptions& opts) {
+  return run("reduce_scatter_tensor_coalesced", c10d::OpType::COALESCED, opts,
+             [&](c10d::Backend& b, c10d::ReduceScatterOptions& o) {
+               return b.reduce_scatter_tensor_coalesced(outputs, inputs, o);
+             }, inputs);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                             std::vector<int64_t>& outputSplitSizes,
+                                                             std::vector<int64_t>& inputSplitSizes,
+                                                             const c10d::AllToAllOptions& opts) {
+  return run("all_to_all_single", c10d::OpType::ALLTOALL_BASE, opts, [&](c10d::Backend& b, c10d::AllToAllOptions& o) {
+    return b.alltoall_base(output, input, outputSplitSizes, inputSplitSizes, o);
+  }, input);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                        std::vector<at::Tensor>& inputs,
+                                                        const c10d::AllToAllOptions& opts) {
+  return run("all_to_all", c10d::OpType::ALLTOALL, opts,
+             [&](c10d::Backend& b, c10d::AllToAllOptions& o) { return b.alltoall(outputs, inputs, o); }, inputs);
+}
+void WatchedBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  inner()->monitoredBarrier(opts, waitAllRanks);
+}
+void WatchedBackend::setSequenceNumberForGroup() { inner()->setSequenceNumberForGroup(); }
+uint64_t WatchedBackend::getSequenceNumberForGroup() { return inner()->getSequenceNumberForGroup(); }
+c10::intrusive_ptr<c10d::Work> WatchedBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  return run_plain("send", c10d::OpType::SEND, [&](c10d::Backend& b) { return b.send(tensors, dstRank, tag); }, tensors);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  return run_plain("recv", c10d::OpType::RECV, [&](c10d::Backend& b) { return b.recv(tensors, srcRank, tag); }, tensors);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return run_plain("recv", c10d::OpType::RECVANYSOURCE, [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); }, tensors);
+}
+c10::intrusive_ptr<c10d::Work> WatchedBackend::barrier(const c10d::BarrierOptions& opts) {
+  return run("barrier", c10d::OpType::BARRIER, opts,
+             [&](c10d::Backend& b, c10d::BarrierOptions& o) { return b.barrier(o); });
+}
+void WatchedBackend::waitForPendingWorks() { inner()->waitForPendingWorks(); }
+void WatchedBackend::setGroupUid(const std::string& pg_uid) {
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
+  c10d::Backend::setGroupUid(pg_uid);
+  inner()->setGroupUid(pg_uid);
+#else
+  (void)pg_uid;
+#endif
+}
+void WatchedBackend::eagerConnectSingleDevice(at::Device device) { inner()->eagerConnectSingleDevice(device); }
+void WatchedBackend::abort() { inner()->abort(); }
+void WatchedBackend::shutdown() { inner()->shutdown(); }
+
+
+}  // namespace fastdist::watched

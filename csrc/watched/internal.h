@@ -1,0 +1,38 @@
+// What the parts of the watched backend share among themselves (not part of watched.h's API).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "watched.h"
+
+namespace fastdist::watched {
+
+// errors.cpp: errors made in C++, and Python's carried through it.
+std::exception_ptr plain_error(const std::string& what);
+std::string what_of(const std::exception_ptr& e);
+
+// scopes.cpp: the deadline fastdist's own functions hand the next op (set_next_deadline).
+bool has_next_deadline();
+bool take_next_deadline(Nanos& out);
+
+// group.cpp: the fault builder, and the cross-rank checks of the ops torch issues.
+FaultBuilder& builder();
+bool checks_enabled();
+CheckHook& check_hook();
+std::string signature_of(c10::ArrayRef<at::Tensor> ins);
+
+// signals.cpp: a waiter on the main thread runs Python's signal handlers every slice.
+constexpr Nanos kSlice = 100'000'000;  // 100 ms
+std::exception_ptr check_signals();
+
+// work.cpp: ops abandoned at their deadline, still in flight in the backend.
+std::atomic<std::int64_t>& abandoned();
+
+// backend.cpp: every watched backend still alive.
+std::vector<c10::intrusive_ptr<WatchedBackend>> live_backends();
+
+}  // namespace fastdist::watched

@@ -1,0 +1,67 @@
+// Poller (NCCL-like groups): completes the works nobody waits on, off any Python thread.
+#include "internal.h"
+
+#include <chrono>
+#include <thread>
+
+namespace fastdist::watched {
+
+namespace {
+
+struct Poller {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<c10::intrusive_ptr<WatchedWork>> works;
+  bool started = false;
+
+  void add(const c10::intrusive_ptr<WatchedWork>& w) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      works.push_back(w);
+      if (!started) {
+        started = true;
+        std::thread([this] { loop(); }).detach();
+      }
+    }
+    cv.notify_one();
+  }
+
+  void loop() {
+    auto interval = std::chrono::microseconds(1000);
+    for (;;) {
+      std::vector<c10::intrusive_ptr<WatchedWork>> batch;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return !works.empty(); });
+        batch.swap(works);
+      }
+      std::vector<c10::intrusive_ptr<WatchedWork>> left;
+      bool progress = false;
+      for (auto& w : batch) {
+        if (w->poll_inner()) {
+          progress = true;
+        } else {
+          left.push_back(std::move(w));
+        }
+      }
+      batch.clear();  // drops finished works here, outside the lock
+      if (!left.empty()) {
+        std::lock_guard<std::mutex> lk(mu);
+        works.insert(works.end(), std::make_move_iterator(left.begin()), std::make_move_iterator(left.end()));
+      }
+      interval = progress ? std::chrono::microseconds(1000) : std::min(interval * 2, std::chrono::microseconds(10000));
+      if (!left.empty()) std::this_thread::sleep_for(interval);
+    }
+  }
+};
+
+Poller& poller() {
+  static auto* p = new Poller();  // leaked: its thread outlives static destruction
+  return *p;
+}
+
+}  // namespace
+
+void poll_register(const c10::intrusive_ptr<WatchedWork>& work) { poller().add(work); }
+
+}  // namespace fastdist::watched

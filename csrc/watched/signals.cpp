@@ -1,0 +1,92 @@
+// Signals: Ctrl-C ends the ops of every watched group, and a waiter on the main thread runs
+// Python's signal handlers every slice.
+#include "internal.h"
+
+#include <Python.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <signal.h>
+
+#include <cerrno>
+#include <mutex>
+#include <thread>
+
+namespace fastdist::watched {
+
+namespace {
+
+std::atomic<unsigned long> g_main_thread{0};
+struct sigaction g_prev_sigint;
+sem_t g_sigint_sem;
+
+void on_sigint(int sig, siginfo_t* info, void* context) {
+  const int saved = errno;
+  sem_post(&g_sigint_sem);  // async-signal-safe
+  errno = saved;
+  if (g_prev_sigint.sa_flags & SA_SIGINFO) {
+    if (g_prev_sigint.sa_sigaction != nullptr) g_prev_sigint.sa_sigaction(sig, info, context);
+  } else if (g_prev_sigint.sa_handler != SIG_DFL && g_prev_sigint.sa_handler != SIG_IGN) {
+    g_prev_sigint.sa_handler(sig);
+  }
+}
+
+void interrupt_loop() {
+  for (;;) {
+    while (sem_wait(&g_sigint_sem) != 0) {
+    }
+    for (auto& b : live_backends()) {
+      auto ctl = b->ctl();
+      std::vector<c10::intrusive_ptr<WatchedWork>> unwaited;
+      for (auto& w : ctl->inflight()) {
+        if (!w->wake_waiter()) unwaited.push_back(w);
+      }
+      if (unwaited.empty()) continue;
+      // Ops that torch's C++ waits on (DDP's buckets): end them, so the main thread gets back to
+      // Python, where Python's own handler raises the KeyboardInterrupt.
+      FaultInfo fi;
+      fi.kind = "interrupted";
+      fi.op = "op";
+      fi.seq = ctl->seq();
+      fi.detail = "interrupted (SIGINT)";
+      ctl->mark_dead("an op was interrupted (Ctrl-C) on rank " + std::to_string(ctl->rank));
+      auto err = ctl->fault(fi);
+      for (auto& w : unwaited) w->fail(err);
+    }
+  }
+}
+
+
+}  // namespace
+
+// Runs Python's signal handlers when on the main thread; returns the exception one raised.
+std::exception_ptr check_signals() {
+  if (g_main_thread.load(std::memory_order_relaxed) != static_cast<unsigned long>(pthread_self())) return nullptr;
+  if (python_finalizing()) return nullptr;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  std::exception_ptr out;
+  if (PyErr_CheckSignals() != 0) out = fetch_python_error();
+  PyGILState_Release(gil);
+  return out;
+}
+
+void set_main_thread(unsigned long ident) { g_main_thread.store(ident); }
+
+void install_sigint_hook() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current;
+    if (sigaction(SIGINT, nullptr, &current) != 0) return;
+    const bool plain = !(current.sa_flags & SA_SIGINFO);
+    if (plain && (current.sa_handler == SIG_DFL || current.sa_handler == SIG_IGN)) return;
+    g_prev_sigint = current;
+    sem_init(&g_sigint_sem, 0, 0);
+    std::thread(interrupt_loop).detach();
+    struct sigaction sa {};
+    sa.sa_sigaction = &on_sigint;
+    sa.sa_flags = SA_SIGINFO | (current.sa_flags & SA_RESTART) | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, nullptr);
+  });
+}
+
+}  // namespace fastdist::watched

@@ -1,0 +1,374 @@
+// WatchedWork: one op of a watched group, with its deadline.
+#include "internal.h"
+
+#include <Python.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <cmath>
+#include <thread>
+
+namespace fastdist::watched {
+
+std::atomic<std::int64_t>& abandoned() {
+  static std::atomic<std::int64_t> n{0};
+  return n;
+}
+
+std::int64_t abandoned_inflight() { return abandoned().load(); }
+
+// ---------------------------------------------------------------------------------------------
+// WatchedWork
+
+WatchedWork::WatchedWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<GroupCtl> ctl, const char* op,
+                         std::uint64_t seq, Nanos start, Nanos deadline, c10d::OpType type)
+    : c10d::Work(ctl->rank, type), inner_(std::move(inner)), ctl_(std::move(ctl)), op_(op), seq_(seq), start_(start),
+      deadline_(deadline), thread_(static_cast<unsigned long>(pthread_self())) {
+  try {
+    inner_fut_ = inner_->getFuture();
+  } catch (const std::exception&) {
+    inner_fut_.reset();  // gloo send/recv: "getFuture not implemented"
+  }
+  if (inner_fut_) {
+    fut_ = c10::make_intrusive<c10::ivalue::Future>(inner_fut_->elementType(), inner_fut_->devices());
+  } else {
+    fut_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  }
+}
+
+WatchedWork::~WatchedWork() = default;
+
+void WatchedWork::release_resources() {
+  ctl_->untrack(this);
+  if (token_) token_->cancel();
+  // Nobody can end this op any more: a future that torch's code still waits on must not hang.
+  bool done;
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    done = done_;
+  }
+  if (!done) fut_->setErrorIfNeeded(plain_error(std::string(op_) + " #" + std::to_string(seq_) + " was abandoned"));
+}
+
+void WatchedWork::arm() {
+  auto self = c10::intrusive_ptr<WatchedWork>::reclaim_copy(this);
+  c10::weak_intrusive_ptr<WatchedWork> weak(self);
+  ctl_->track(self);
+  token_ = ctl_->engine->add(deadline_, [weak]() mutable {
+    if (auto w = weak.lock()) w->expired();
+  });
+  if (ctl_->polled) {
+    // The future says when the op was enqueued: mirror it for torch's consumers (they order
+    // their streams on it); completion on the device is polled.
+    if (inner_fut_) {
+      auto fut = fut_;
+      inner_fut_->addCallback([fut](c10::ivalue::Future& f) {
+        if (fut->completed()) return;
+        if (f.hasError()) {
+          fut->setErrorIfNeeded(f.exception_ptr());
+        } else {
+          fut->markCompleted(f.value(), f.storages());
+        }
+      });
+    }
+    poll_register(self);
+  } else if (!inner_fut_) {
+    // A posted op (gloo send/recv) has no future, and gloo's wait() is the only way to learn
+    // that it ended: one wait, on a thread of its own, for the whole budget plus a grace. (Never
+    // in slices: a gloo send/recv whose wait times out closes the pair, and the op with it.)
+    const Nanos now = steady_now();
+    std::chrono::milliseconds budget = kNoTimeout;
+    if (deadline_ != kNever) {
+      const double left = nanos_to_seconds(std::max<Nanos>(deadline_ - now, 0));
+      const double grace = std::min(1.0, std::max(0.1, 0.1 * left));
+      budget = std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil((left + grace) * 1000.0)));
+    }
+    auto inner = inner_;
+    std::thread([self, inner, budget]() mutable {
+      std::exception_ptr err;
+      bool ok = false;
+      try {
+        ok = inner->wait(budget);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      if (!err && !(ok && inner->isSuccess())) {
+        // gloo can mark a receive that timed out completed but not successful.
+        err = inner->exception() ? inner->exception() : plain_error("the point-to-point op did not succeed");
+      }
+      self->inner_done(err);
+      self.reset();
+    }).detach();
+  } else {
+    // Holds the work until the op ends: torch's callers (DDP's reducer) keep only the future.
+    inner_fut_->addCallback([self](c10::ivalue::Future& f) mutable {
+      self->inner_done(f.hasError() ? f.exception_ptr() : nullptr);
+      self.reset();
+    });
+  }
+}
+
+bool WatchedWork::ended() const {
+  std::lock_guard<std::mutex> lk(wmu_);
+  return done_;
+}
+
+std::exception_ptr WatchedWork::fail_remote(const std::string& detail) {
+  return ctl_->fault(info("remote", detail, false));
+}
+
+FaultInfo WatchedWork::info(const std::string& kind, const std::string& detail, bool waiter) const {
+  FaultInfo fi;
+  fi.kind = kind;
+  fi.op = op_;
+  fi.seq = seq_;
+  fi.start = nanos_to_seconds(start_);
+  fi.deadline = nanos_to_seconds(deadline_);
+  fi.detail = detail;
+  fi.prev = ctl_->prev_of(seq_);
+  fi.waiter = waiter;
+  return fi;
+}
+
+void WatchedWork::finish_locked(std::exception_ptr error, std::unique_lock<std::mutex>& lk) {
+  done_ = true;
+  error_ = error;
+  ctl_->end(seq_, !error                                              ? Outcome::kOk
+                  : token_ && token_->state() == State::kExpired ? Outcome::kTimedOut
+                                                                 : Outcome::kFailed);
+  if (error && !inner_ended_ && !ctl_->polled && !abandoned_) {
+    abandoned_ = true;
+    abandoned().fetch_add(1);
+  }
+  auto token = token_;
+  lk.unlock();
+  wcv_.notify_all();
+  if (token) token->complete();
+  ctl_->untrack(this);
+  if (error) {
+    fut_->setErrorIfNeeded(error);
+  } else if (!ctl_->polled && !fut_->completed()) {
+    if (inner_fut_ && inner_fut_->completed() && !inner_fut_->hasError()) {
+      fut_->markCompleted(inner_fut_->value(), inner_fut_->storages());
+    } else {
+      try {
+        fut_->markCompleted(c10::IValue(inner_->result()));
+      } catch (const std::exception&) {
+        fut_->markCompleted(c10::IValue(std::vector<at::Tensor>()));
+      }
+    }
+  }
+  lk.lock();
+}
+
+void WatchedWork::fail(std::exception_ptr error) {
+  std::unique_lock<std::mutex> lk(wmu_);
+  if (done_) return;
+  finish_locked(error, lk);
+}
+
+void WatchedWork::inner_done(std::exception_ptr error) {
+  std::unique_lock<std::mutex> lk(wmu_);
+  inner_ended_ = true;
+  if (abandoned_) {
+    abandoned_ = false;
+    abandoned().fetch_sub(1);
+  }
+  if (done_) {
+    // Failed earlier (deadline, or the group's fault), and now the backend let go of the op:
+    // drop it, and with it the backend's connections it references (a dead group's), now.
+    if (error_) {
+      auto doomed = std::move(inner_);
+      lk.unlock();
+    }
+    return;
+  }
+  if (!error) {
+    finish_locked(nullptr, lk);
+    return;
+  }
+  inner_error_ = error;
+  if (waiters_ > 0) {
+    lk.unlock();
+    wcv_.notify_all();  // the waiter builds the fault on its own thread
+    return;
+  }
+  lk.unlock();
+  // A backend thread (gloo's worker runs this callback) must not wait for the report.
+  trigger_fault_async(info("backend", what_of(error), false));
+}
+
+void WatchedWork::expired() {
+  std::unique_lock<std::mutex> lk(wmu_);
+  if (done_) return;
+  if (waiters_ > 0) {
+    lk.unlock();
+    wcv_.notify_all();
+    return;
+  }
+  lk.unlock();
+  trigger_fault_async(info("timeout", "", false));
+}
+
+void WatchedWork::trigger_fault_async(FaultInfo fi) {
+  // Holds this work until the fault is delivered to it: torch's callers may hold only its future
+  // (DDP's reducer), and the backend's callback that brought the error drops its reference when
+  // it returns. (Called only from a context that holds a reference: a callback or the expiry.)
+  auto self = c10::intrusive_ptr<WatchedWork>::reclaim_copy(this);
+  auto ctl = ctl_;
+  std::thread([ctl, fi, self]() mutable {
+    auto err = ctl->fault(fi);
+    self->fail(err);
+    self.reset();
+  }).detach();
+}
+
+bool WatchedWork::poll_inner() {
+  c10::intrusive_ptr<c10d::Work> inner;
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    if (done_) return true;
+    inner = inner_;
+  }
+  bool completed = false;
+  std::exception_ptr err;
+  try {
+    completed = inner->isCompleted();
+    if (completed && !inner->isSuccess()) err = inner->exception();
+  } catch (...) {
+    completed = true;
+    err = std::current_exception();
+  }
+  if (!completed) return false;
+  inner_done(err);
+  return true;
+}
+
+bool WatchedWork::wake_waiter() {
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    if (waiters_ == 0) return false;
+  }
+  wcv_.notify_all();
+  return true;
+}
+
+bool WatchedWork::isCompleted() {
+  std::lock_guard<std::mutex> lk(wmu_);
+  return done_;
+}
+
+bool WatchedWork::isSuccess() const {
+  std::lock_guard<std::mutex> lk(wmu_);
+  return done_ && !error_;
+}
+
+std::exception_ptr WatchedWork::exception() const {
+  std::lock_guard<std::mutex> lk(wmu_);
+  return error_;
+}
+
+int WatchedWork::sourceRank() const {
+  std::lock_guard<std::mutex> lk(wmu_);
+  return inner_ ? inner_->sourceRank() : -1;
+}
+
+std::vector<at::Tensor> WatchedWork::result() {
+  std::lock_guard<std::mutex> lk(wmu_);
+  return inner_ ? inner_->result() : std::vector<at::Tensor>();
+}
+
+void WatchedWork::synchronize() {
+  c10::intrusive_ptr<c10d::Work> inner;
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    inner = inner_;
+  }
+  if (inner) inner->synchronize();
+}
+
+void WatchedWork::abort() {
+  c10::intrusive_ptr<c10d::Work> inner;
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    inner = inner_;
+  }
+  if (inner) inner->abort();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WatchedWork::getFuture() { return fut_; }
+
+bool WatchedWork::wait(std::chrono::milliseconds timeout) {
+  // torch's own timeout, when given, bounds this wait softly (as torch's wait does); the op's
+  // deadline is fastdist's.
+  const Nanos soft_end = timeout == kNoTimeout ? kNever : steady_now() + timeout.count() * 1'000'000;
+  std::unique_lock<std::mutex> lk(wmu_);
+  ++waiters_;
+  struct Leave {
+    std::atomic<int>& n;
+    ~Leave() { n.fetch_sub(1); }
+  } leave{waiters_};
+  Nanos interval = 20'000;  // polled: 20 us, backing off to 1 ms
+  for (;;) {
+    if (done_) {
+      if (!error_) return true;
+      auto error = error_;
+      lk.unlock();
+      // A Ctrl-C that ended the group's ops: raise Python's KeyboardInterrupt (its handler runs
+      // here, once), not the group's error.
+      if (auto interrupt = check_signals()) std::rethrow_exception(interrupt);
+      std::rethrow_exception(error);
+    }
+    const Nanos now = steady_now();
+    std::string kind;
+    std::string detail;
+    if (inner_ended_ && inner_error_) {
+      kind = "backend";
+      detail = what_of(inner_error_);
+    } else if (now >= deadline_) {
+      kind = "timeout";
+    }
+    if (!kind.empty()) {
+      lk.unlock();
+      auto err = ctl_->fault(info(kind, detail, true));
+      lk.lock();
+      if (!done_) finish_locked(err, lk);
+      std::rethrow_exception(error_);
+    }
+    if (now >= soft_end) {
+      TORCH_CHECK(false, "Operation timed out!");
+    }
+    const Nanos slice = std::min({kSlice, deadline_ - now, soft_end - now});
+    if (ctl_->polled) {
+      lk.unlock();
+      bool finished = poll_inner();
+      lk.lock();
+      if (!finished && !done_) {
+        wcv_.wait_for(lk, std::chrono::nanoseconds(std::min(interval, slice)));
+        interval = std::min<Nanos>(interval * 2, 1'000'000);
+      }
+    } else {
+      wcv_.wait_for(lk, std::chrono::nanoseconds(slice));
+    }
+    if (done_) continue;
+    lk.unlock();
+    auto interrupt = check_signals();
+    lk.lock();
+    if (interrupt) {
+      // Ctrl-C: this rank leaves the op, so the group is out of step and dead. Others waiting on
+      // it are told so; this thread raises the KeyboardInterrupt.
+      lk.unlock();
+      if (ctl_->mark_dead(std::string(op_) + " #" + std::to_string(seq_) + " was interrupted on rank " +
+                          std::to_string(ctl_->rank))) {
+        auto fi = info("interrupted", "", false);
+        auto ctl = ctl_;
+        std::thread([ctl, fi]() { ctl->fault(fi); }).detach();
+      }
+      lk.lock();
+      if (!done_) finish_locked(interrupt, lk);
+      std::rethrow_exception(interrupt);
+    }
+  }
+}
+
+}  // namespace fastdist::watched
