@@ -110,7 +110,7 @@ def test_metrics_cost(benchmark, pair) -> None:
         for i in range(2 if SMOKE else 16):
             for scraped in (False, True) if i % 2 == 0 else (True, False):
                 (scraping.set if scraped else scraping.clear)()
-                (on if scraped else off).extend(pair.run(["w_ddp_step"] * 40))
+                (on if scraped else off).extend(pair.run(["w_ddp_step"] * (5 if SMOKE else 40)))
     finally:
         stop.set()
         thread.join(5)

@@ -17,7 +17,7 @@ from mp import describe, run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [3] if SMOKE else [3, 4])  # smoke: bench/ runs, cheaply
 def test_propagation_latency(benchmark, world_size: int) -> None:
     cycles = 1 if SMOKE else 8
     results = run_ranks(

@@ -18,7 +18,7 @@ from mp import describe, run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2] if SMOKE else [2, 3, 4])  # smoke: bench/ runs, cheaply
 def test_recovery_vs_restart(benchmark, world_size: int) -> None:
     cycles = 1 if SMOKE else 5
     results = run_ranks("bench_recovery", world_size, timeout=120, env={"FASTDIST_BENCH_CYCLES": str(cycles)})
