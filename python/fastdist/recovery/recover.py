@@ -219,6 +219,9 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
     # The agreed generation is used up, whatever happens next: if a member vanishes while the
     # group is rebuilt (RecoveryError at the deadline), the next recover() agrees on the one after.
     st.generation = gen
+    # Either way the groups number their ops afresh: their histories go to the metrics first.
+    for g in registry.watched_groups() if is_default else [pg]:
+        events.retire(pgstate.state_of(g).name, registry.history(g))
     if len(members) == st.size and registry.is_watched(pg):
         # Everyone came back: rebuild in place, under the same ProcessGroup objects that DDP,
         # FSDP2, DeviceMesh and user code hold.
@@ -227,8 +230,6 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
                 "rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway",
                 me,
             )
-        for g in registry.watched_groups() if is_default else [pg]:
-            events.retire(pgstate.state_of(g).name, registry.history(g))
         groups = _rebuild_in_place(pg, is_default, gen, deadline)
         wrappers.reset_ddp(groups)
         wrappers.reset_fsdp()
@@ -260,8 +261,6 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
             "rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me
         )
     pgstate.hold(pg)
-    for g in registry.watched_groups() if is_default else [pg]:
-        events.retire(pgstate.state_of(g).name, registry.history(g))
     if is_default:
         old_groups = registry.watched_groups() or [pg]
         new = _rebuild_default(gen, new_rank, new_size)
