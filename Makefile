@@ -18,7 +18,10 @@ $(STAMP): $(SOURCES)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	# fastdist._watched is compiled against the installed torch: build without isolation.
 	$(PY) -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
-	$(PY) -m pip install -q --no-build-isolation ".[test,bench,lint]"
+	# The test extra installs packages that depend on torch (Lightning, Accelerate): pinned to
+	# the torch already here, so that pip never swaps it for another build.
+	$(PY) -m pip install -q --no-build-isolation ".[test,bench,lint]" \
+	  "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 	touch $@
 
 demo: setup
@@ -32,9 +35,10 @@ check: setup
 	$(VENV)/bin/mypy
 	scripts/sanitize
 
+# Two workers: most of the suite's time is spent waiting for deadlines and processes.
 test: check
 	scripts/install-test-deps
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist worksteal
 
 # The benchmarks (about 4 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.
 bench: setup
