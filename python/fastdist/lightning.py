@@ -1,0 +1,313 @@
+"""fastdist for PyTorch Lightning: a ``DDPStrategy`` whose training steps have a deadline and are
+redone in place after a fault, so a Lightning job survives a stalled rank without a restart::
+
+    import lightning as L
+    import fastdist.lightning
+
+    strategy = fastdist.lightning.DDPStrategy(step_timeout=30, collective_timeout=60)
+    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy)
+    trainer.fit(model)
+
+The strategy makes the default group with :func:`fastdist.init_process_group` under any of
+Lightning's launchers (its own, torchrun, SLURM), so every op on it is watched. Each optimizer
+step (the closure of training_step, zero_grad and backward, and the optimizer's update) runs in
+``fastdist.fail_after(step_timeout)``; when it raises a :class:`fastdist.FastdistError`, the
+strategy calls :func:`fastdist.recover`, puts back what the failed attempt changed, and runs the
+step again, at most ``max_retries`` times, after which the error goes to Lightning as without
+fastdist. What Lightning counts is counted once: the step is redone inside Lightning's own
+``optimizer_step``, so ``global_step``, the LR schedulers and the loggers' step advance once, and
+the progress counters the closure moves (``zero_grad``) are put back before the retry.
+
+Gradient accumulation (``accumulate_grad_batches=N``): the earlier micro-batches of the window run
+their backward before the optimizer step (under ``no_sync``: no collective), and their gradients
+are in ``.grad`` when the step starts. The strategy keeps a copy of the gradients at the start of
+the step and puts it back before a retry, so the redone step sums the same micro-batches as an
+undisturbed run (the cost: one copy of the gradients per optimizer step, only when N > 1). The RNG
+state is put back too, so dropout draws the same masks.
+
+``collective_timeout`` bounds the strategy's own collectives outside the step (validation's
+``sync_dist``, ``barrier``, ``broadcast``, ``all_gather``); a fault there is raised to Lightning.
+Manual optimization is refused at set-up unless ``max_retries=0``: fastdist cannot redo a step it
+does not run.
+
+Works with the ``lightning`` package and with ``pytorch_lightning`` (>= 2.4): ``DDPStrategy`` is
+built on the one the program imported (``lightning`` when both or neither is imported yet);
+:func:`ddp_strategy_class` builds it on a named one. Importing ``fastdist`` does not import this
+module.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+
+from .deadlines import fail_after, validate_seconds
+from .errors import FastdistError
+from .process_group import init_process_group
+from .recovery.recover import recover
+
+log = logging.getLogger("fastdist.lightning")
+
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _chosen_package() -> str:
+    """The Lightning package a strategy is built on: the one already imported, else the first
+    installed."""
+    if "lightning" in sys.modules or "lightning.pytorch" in sys.modules:
+        return "lightning.pytorch"
+    if "pytorch_lightning" in sys.modules:
+        return "pytorch_lightning"
+    for name in _PACKAGES:
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            return name
+    raise ImportError(
+        "fastdist.lightning needs Lightning >= 2.4: pip install lightning (or pytorch_lightning)"
+    )
+
+
+def _optional_seconds(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    seconds = validate_seconds(value, name)
+    if seconds <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return seconds
+
+
+class _Mixin:
+    """The behaviour fastdist adds to a Lightning strategy; the class is put together with the
+    strategy of the installed package by :func:`ddp_strategy_class`."""
+
+    _fastdist_step_timeout: float | None
+    _fastdist_collective_timeout: float | None
+    _fastdist_recover_timeout: float
+    _fastdist_max_retries: int
+    retries: int
+
+    def __init__(
+        self,
+        *args: Any,
+        step_timeout: float | datetime.timedelta | None = None,
+        collective_timeout: float | datetime.timedelta | None = None,
+        recover_timeout: float | datetime.timedelta = 60.0,
+        max_retries: int = 3,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int):
+            raise TypeError(f"max_retries must be an int, got {type(max_retries).__name__}: {max_retries!r}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self._fastdist_step_timeout = _optional_seconds(step_timeout, "step_timeout")
+        self._fastdist_collective_timeout = _optional_seconds(collective_timeout, "collective_timeout")
+        recover_seconds = _optional_seconds(recover_timeout, "recover_timeout")
+        if recover_seconds is None:
+            raise TypeError("recover_timeout must be a number of seconds or a datetime.timedelta, got None")
+        self._fastdist_recover_timeout = recover_seconds
+        self._fastdist_max_retries = max_retries
+        self.retries = 0  # steps redone in this process, for the user's logs and tests
+        super().__init__(*args, **kwargs)
+
+    # -- the group ---------------------------------------------------------------------------
+
+    def setup_distributed(self) -> None:
+        """Lightning's own set-up, with the group made by :func:`fastdist.init_process_group`
+        (watched) rather than torch's. A group that exists already (a second ``fit``, or one the
+        script made) is used as it is."""
+        s: Any = self
+        seed = importlib.import_module(s._fastdist_fabric + ".utilities.seed")
+        seed.reset_seed()
+        s.set_world_ranks()
+        s._process_group_backend = s._get_process_group_backend()
+        if torch.distributed.is_initialized():
+            return
+        env = s.cluster_environment
+        os.environ["MASTER_ADDR"] = env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)
+        init_process_group(
+            s._process_group_backend, rank=s.global_rank, world_size=s.world_size, timeout=s._timeout
+        )
+
+    def setup(self, trainer: Any) -> None:
+        module = getattr(trainer, "lightning_module", None)
+        if self._fastdist_max_retries and module is not None and not module.automatic_optimization:
+            raise ValueError(
+                "fastdist.lightning.DDPStrategy redoes failed steps only in automatic optimization; "
+                "with manual optimization pass max_retries=0 and call fastdist.recover() in your step"
+            )
+        super().setup(trainer)  # type: ignore[misc]
+        self._bound_sigterm_broadcast(trainer)
+
+    def _bound_sigterm_broadcast(self, trainer: Any) -> None:
+        """Lightning broadcasts a "SIGTERM received" flag from rank 0 before every batch, outside
+        the step, and ignores its errors. A rank that stalls before that broadcast would keep rank
+        0 in it for the group's whole timeout; bounded by ``step_timeout``, it ends in time and
+        the step's next op raises, so the step is redone as after any fault."""
+        loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        original = getattr(loop, "_broadcast_sigterm_tensor", None)
+        if self._fastdist_step_timeout is None or original is None or getattr(original, "_fastdist", False):
+            return
+        seconds = self._fastdist_step_timeout
+
+        def bounded() -> None:
+            with fail_after(seconds):
+                original()
+
+        bounded._fastdist = True  # type: ignore[attr-defined]
+        loop._broadcast_sigterm_tensor = bounded
+
+    # -- the training step -------------------------------------------------------------------
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The step in ``fail_after(step_timeout)``; after a fault, recovery and the step again
+        with the gradients, RNG state and progress counters it started with."""
+        step = super().optimizer_step  # type: ignore[misc]
+        if self._fastdist_step_timeout is None and not self._fastdist_max_retries:
+            return step(optimizer, closure, model, **kwargs)
+        start = _StepStart(self, optimizer)
+        failures = 0
+        while True:
+            try:
+                if self._fastdist_step_timeout is None:
+                    return step(optimizer, closure, model, **kwargs)
+                with fail_after(self._fastdist_step_timeout):
+                    return step(optimizer, closure, model, **kwargs)
+            except FastdistError as err:
+                failures += 1
+                if failures > self._fastdist_max_retries:
+                    raise
+                log.warning(
+                    "fastdist: step failed (%s); recovering and redoing it (%d of %d)",
+                    err,
+                    failures,
+                    self._fastdist_max_retries,
+                )
+                recover(timeout=self._fastdist_recover_timeout)
+                start.restore()
+                self.retries += 1
+
+    # -- the strategy's collectives outside the step -----------------------------------------
+
+    def _bounded(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._fastdist_collective_timeout is None:
+            return call(*args, **kwargs)
+        with fail_after(self._fastdist_collective_timeout):
+            return call(*args, **kwargs)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._bounded(super().barrier, *args, **kwargs)  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._bounded(super().broadcast, obj, src)  # type: ignore[misc]
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._bounded(super().reduce, tensor, *args, **kwargs)  # type: ignore[misc]
+
+    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._bounded(super().all_gather, tensor, *args, **kwargs)  # type: ignore[misc]
+
+
+class _StepStart:
+    """What an optimizer step changes before its update and must be as it was when the step is
+    redone: the gradients of the earlier micro-batches (with accumulation), the RNG state, and
+    the progress counters the closure moves."""
+
+    def __init__(self, strategy: Any, optimizer: Any) -> None:
+        module = strategy.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        self.grads: list[tuple[Any, Any]] = []
+        if trainer is not None and trainer.accumulate_grad_batches > 1:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    self.grads.append((p, None if p.grad is None else p.grad.detach().clone()))
+        self.rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+        self.progress = None
+        self.progress_state = None
+        self.results = None
+        self.logged: dict[str, Any] = {}
+        if trainer is not None and module.automatic_optimization:
+            self.progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+            self.progress_state = self.progress.state_dict()
+            # What training_step logs (self.log): an epoch-level mean must not count a redone step
+            # twice. A few scalar metrics: copying their states costs microseconds.
+            self.results = trainer._results
+            if self.results is not None:
+                self.logged = {k: _metric_states(v) for k, v in self.results.items()}
+
+    def restore(self) -> None:
+        for p, grad in self.grads:
+            if grad is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = grad.clone()
+            else:
+                p.grad.copy_(grad)
+        torch.random.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if self.progress is not None:
+            self.progress.load_state_dict(self.progress_state)
+        if self.results is not None:
+            for key in [k for k in self.results if k not in self.logged]:
+                del self.results[key]  # first logged by the failed attempt
+            for key, states in self.logged.items():
+                _set_metric_states(self.results[key], states)
+
+
+# The state of what self.log keeps (Lightning's _ResultMetric, a torchmetrics Metric, or a dict of
+# them): its registered states and the bookkeeping torchmetrics keeps beside them.
+_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
+
+
+def _metric_states(metric: Any) -> Any:
+    if isinstance(metric, dict):
+        return {k: _metric_states(v) for k, v in metric.items()}
+    names = list(getattr(metric, "_defaults", {})) + [n for n in _BOOKKEEPING if hasattr(metric, n)]
+    return {n: _copy(getattr(metric, n)) for n in names}
+
+
+def _set_metric_states(metric: Any, states: Any) -> None:
+    if isinstance(metric, dict):
+        for k, v in states.items():
+            _set_metric_states(metric[k], v)
+        return
+    for name, value in states.items():
+        setattr(metric, name, _copy(value))
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else copy.copy(value)
+
+
+_classes: dict[str, type] = {}
+
+
+def ddp_strategy_class(package: str | None = None) -> type:
+    """fastdist's DDP strategy built on ``package``'s ``DDPStrategy`` (``"lightning.pytorch"`` or
+    ``"pytorch_lightning"``; default: the one the program imported)."""
+    name = _chosen_package() if package is None else package
+    if name not in _PACKAGES:
+        raise ValueError(f"package must be one of {', '.join(_PACKAGES)}; got {package!r}")
+    if name not in _classes:
+        base = importlib.import_module(name + ".strategies").DDPStrategy
+        fabric = "lightning.fabric" if name == "lightning.pytorch" else "lightning_fabric"
+        cls = type("DDPStrategy", (_Mixin, base), {"_fastdist_fabric": fabric, "__module__": __name__})
+        cls.__doc__ = __doc__
+        cls.__qualname__ = "DDPStrategy"
+        _classes[name] = cls
+    return _classes[name]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DDPStrategy":
+        return ddp_strategy_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,118 @@
+"""A Lightning job as a user writes it, for tests/test_lightning.py: Trainer, DDP on CPU (gloo),
+fastdist.lightning.DDPStrategy, a LR scheduler stepped every step, dropout, validation with
+``sync_dist`` every 5 steps, and ``accumulate_grad_batches`` 1 and 2.
+
+    python tests/lightning_job.py --out DIR            # Lightning's own launcher starts 3 processes
+    torchrun --nproc-per-node 3 tests/lightning_job.py --out DIR
+
+Each process fits the same model twice per accumulation setting: undisturbed, then with rank 2
+stalling ``--stall`` seconds in its training_step at global step 3 (inside the optimizer step
+without accumulation; in the window's first micro-batch, before the step, with it). After each
+fit it saves what the test compares to ``DIR/rank{R}-accum{N}-{run}.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import fastdist.lightning
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+STALL_RANK, STALL_STEP = 2, 3
+
+
+class Net(L.LightningModule):
+    def __init__(self, accum: int, stall: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
+        )
+        self.accum, self.stall, self.stalled = accum, stall, False
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        x, y = batch
+        if (
+            self.stall
+            and not self.stalled
+            and self.global_rank == STALL_RANK
+            and self.global_step == STALL_STEP
+            and idx % self.accum == 0
+        ):
+            self.stalled = True
+            time.sleep(self.stall)
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def data(n: int, seed: int) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
+
+
+def fit(accum: int, stall: float, steps: int) -> dict[str, Any]:
+    torch.manual_seed(1)
+    model = Net(accum, stall)
+    strategy = fastdist.lightning.DDPStrategy(step_timeout=2, collective_timeout=30, recover_timeout=60)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=3,
+        strategy=strategy,
+        max_steps=steps,
+        accumulate_grad_batches=accum,
+        val_check_interval=5 * accum,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data(12 * steps * accum, 0), data(24, 1))
+    opt = trainer.optimizers[0]
+    return {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+        "lr": [g["lr"] for g in opt.param_groups],
+        "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+        "fit_loop": trainer.fit_loop.state_dict(),
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "retries": strategy.retries,
+        "world": torch.distributed.get_world_size(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--stall", type=float, default=3.5)
+    p.add_argument("--accum", type=int, nargs="+", default=[1, 2])
+    args = p.parse_args()
+    for accum in args.accum:
+        for run, stall in (("undisturbed", 0.0), ("stalled", args.stall)):
+            result = fit(accum, stall, args.steps)
+            path = os.path.join(args.out, f"rank{result['rank']}-accum{accum}-{run}.pt")
+            torch.save(result, path)
+
+
+if __name__ == "__main__":
+    main()
