@@ -231,7 +231,11 @@ def _remote_fault(call: OpCall, info: dict[str, Any]) -> BaseException:
             op,
             f"{who} saw the group closed under it by a peer in {what} (a rank exited or was killed)",
         )
-    if peer.get("op") == op and peer.get("seq") == seq and not late:
+    # The peer timed out when this rank's own deadline had passed too (equal deadlines, a peer a
+    # hair faster): this rank's op timed out as well, and says so, with the same report, whichever
+    # rank's timer fired first.
+    own_also = peer.get("state") == "timed_out" and current_time() >= deadline - _SAME_MOMENT
+    if (peer.get("op") == op and peer.get("seq") == seq and not late) or own_also:
         _die(
             pg,
             st,
@@ -248,6 +252,11 @@ def _remote_fault(call: OpCall, info: dict[str, Any]) -> BaseException:
     return _aborted(
         pg, st, op, f"{who} {verb} {what} and aborted group {st.name!r} while this rank was in {op} #{seq}"
     )
+
+
+# A peer's timeout that reaches this rank within this many seconds of its own deadline counts as
+# this rank's own timeout too.
+_SAME_MOMENT = 0.05
 
 
 def _aborted(pg: Any, st: GroupState, op: str, reason: str) -> GroupAbortedError:
