@@ -59,9 +59,11 @@ from .metrics import serve_metrics
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .process_group import get_rank, get_world_size, init_process_group
 from .recovery.recover import recover, sync_state
+from .steps import run_step
 from .store.etcd import EtcdStore
 
 # fastdist.rpc is a submodule (import fastdist.rpc): it imports torch.distributed.rpc.
+# fastdist.lightning and fastdist.accelerate too: they import those frameworks.
 
 __all__ = [
     "CollectiveMismatchError",
@@ -108,6 +110,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "run_step",
     "scatter",
     "scatter_object_list",
     "send",

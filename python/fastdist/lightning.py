@@ -42,19 +42,15 @@ import copy
 import datetime
 import importlib
 import importlib.util
-import logging
 import os
 import sys
 from typing import Any
 
 import torch
 
-from .deadlines import fail_after, validate_seconds
-from .errors import FastdistError
+from .deadlines import fail_after
 from .process_group import init_process_group
-from .recovery.recover import recover
-
-log = logging.getLogger("fastdist.lightning")
+from .steps import StepStart, check_retries, positive_seconds, redo_after_fault
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -72,15 +68,6 @@ def _chosen_package() -> str:
     raise ImportError(
         "fastdist.lightning needs Lightning >= 2.4: pip install lightning (or pytorch_lightning)"
     )
-
-
-def _optional_seconds(value: Any, name: str) -> float | None:
-    if value is None:
-        return None
-    seconds = validate_seconds(value, name)
-    if seconds <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return seconds
 
 
 class _Mixin:
@@ -102,17 +89,14 @@ class _Mixin:
         max_retries: int = 3,
         **kwargs: Any,
     ) -> None:
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int):
-            raise TypeError(f"max_retries must be an int, got {type(max_retries).__name__}: {max_retries!r}")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        self._fastdist_step_timeout = _optional_seconds(step_timeout, "step_timeout")
-        self._fastdist_collective_timeout = _optional_seconds(collective_timeout, "collective_timeout")
-        recover_seconds = _optional_seconds(recover_timeout, "recover_timeout")
-        if recover_seconds is None:
-            raise TypeError("recover_timeout must be a number of seconds or a datetime.timedelta, got None")
-        self._fastdist_recover_timeout = recover_seconds
-        self._fastdist_max_retries = max_retries
+        self._fastdist_step_timeout = (
+            None if step_timeout is None else positive_seconds(step_timeout, "step_timeout")
+        )
+        self._fastdist_collective_timeout = (
+            None if collective_timeout is None else positive_seconds(collective_timeout, "collective_timeout")
+        )
+        self._fastdist_recover_timeout = positive_seconds(recover_timeout, "recover_timeout")
+        self._fastdist_max_retries = check_retries(max_retries)
         self.retries = 0  # steps redone in this process, for the user's logs and tests
         super().__init__(*args, **kwargs)
 
@@ -168,31 +152,26 @@ class _Mixin:
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The step in ``fail_after(step_timeout)``; after a fault, recovery and the step again
-        with the gradients, RNG state and progress counters it started with."""
+        with the gradients, RNG state, progress counters and logged metrics it started with."""
         step = super().optimizer_step  # type: ignore[misc]
-        if self._fastdist_step_timeout is None and not self._fastdist_max_retries:
+        timeout = self._fastdist_step_timeout
+        if timeout is None and not self._fastdist_max_retries:
             return step(optimizer, closure, model, **kwargs)
-        start = _StepStart(self, optimizer)
-        failures = 0
-        while True:
-            try:
-                if self._fastdist_step_timeout is None:
-                    return step(optimizer, closure, model, **kwargs)
-                with fail_after(self._fastdist_step_timeout):
-                    return step(optimizer, closure, model, **kwargs)
-            except FastdistError as err:
-                failures += 1
-                if failures > self._fastdist_max_retries:
-                    raise
-                log.warning(
-                    "fastdist: step failed (%s); recovering and redoing it (%d of %d)",
-                    err,
-                    failures,
-                    self._fastdist_max_retries,
-                )
-                recover(timeout=self._fastdist_recover_timeout)
-                start.restore()
-                self.retries += 1
+
+        def attempt() -> Any:
+            if timeout is None:
+                return step(optimizer, closure, model, **kwargs)
+            with fail_after(timeout):
+                return step(optimizer, closure, model, **kwargs)
+
+        result, redone = redo_after_fault(
+            attempt,
+            _StepStart(self, optimizer),
+            max_retries=self._fastdist_max_retries,
+            recover_timeout=self._fastdist_recover_timeout,
+        )
+        self.retries += redone
+        return result
 
     # -- the strategy's collectives outside the step -----------------------------------------
 
@@ -215,21 +194,15 @@ class _Mixin:
         return self._bounded(super().all_gather, tensor, *args, **kwargs)  # type: ignore[misc]
 
 
-class _StepStart:
-    """What an optimizer step changes before its update and must be as it was when the step is
-    redone: the gradients of the earlier micro-batches (with accumulation), the RNG state, and
-    the progress counters the closure moves."""
+class _StepStart(StepStart):
+    """The generic step start (gradients of the earlier micro-batches with accumulation, RNG
+    state) and Lightning's own: the progress counters the closure moves and the states of the
+    metrics training_step logs."""
 
     def __init__(self, strategy: Any, optimizer: Any) -> None:
         module = strategy.lightning_module
         trainer = getattr(module, "_trainer", None)
-        self.grads: list[tuple[Any, Any]] = []
-        if trainer is not None and trainer.accumulate_grad_batches > 1:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    self.grads.append((p, None if p.grad is None else p.grad.detach().clone()))
-        self.rng = torch.random.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+        super().__init__([optimizer], keep_grads=trainer is not None and trainer.accumulate_grad_batches > 1)
         self.progress = None
         self.progress_state = None
         self.results = None
@@ -244,16 +217,7 @@ class _StepStart:
                 self.logged = {k: _metric_states(v) for k, v in self.results.items()}
 
     def restore(self) -> None:
-        for p, grad in self.grads:
-            if grad is None:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = grad.clone()
-            else:
-                p.grad.copy_(grad)
-        torch.random.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        super().restore()
         if self.progress is not None:
             self.progress.load_state_dict(self.progress_state)
         if self.results is not None:

@@ -1,0 +1,100 @@
+"""fastdist for Hugging Face Accelerate: a watched group under ``Accelerator()``, and a training
+step that is redone in place after a fault, ``accumulate()`` included::
+
+    import fastdist.accelerate
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    kwargs = InitProcessGroupKwargs(timeout=timedelta(minutes=10))
+    fastdist.accelerate.init_process_group(kwargs)      # before Accelerator()
+    accelerator = Accelerator(kwargs_handlers=[kwargs], gradient_accumulation_steps=2)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            def step():
+                accelerator.backward(loss_fn(model(x), y))
+                opt.step()
+                opt.zero_grad()
+            fastdist.accelerate.step(accelerator, step, timeout=30)
+
+Accelerate makes its group only when none exists (``PartialState``), so the group made here is
+the one Accelerate uses, and every op on it (DDP's all-reduces, ``gather``, ``reduce``,
+``wait_for_everyone``) is watched. Launch with ``torchrun`` (``accelerate launch --cpu`` starts a
+single process; ``accelerate launch --multi_gpu --num_processes N`` runs torchrun itself).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .deadlines import fail_after
+from .process_group import init_process_group as _init_process_group
+from .steps import StepStart, check_retries, positive_seconds, redo_after_fault
+
+T = TypeVar("T")
+
+
+def init_process_group(*kwargs_handlers: Any, backend: str | None = None) -> None:
+    """Makes the default group with :func:`fastdist.init_process_group` from the launcher's
+    environment (torchrun's), before ``Accelerator()``. Given the ``InitProcessGroupKwargs``
+    among ``kwargs_handlers`` (pass the ones you give ``Accelerator``), its ``backend`` and
+    ``timeout`` are used as Accelerate would use them: only the values set on it; otherwise the
+    backend is NCCL when CUDA is available and gloo if not, and the timeout fastdist's default.
+    A group that exists already is left as it is."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if torch.distributed.is_initialized():
+        return
+    given: dict[str, Any] = {}
+    for handler in kwargs_handlers:
+        if isinstance(handler, InitProcessGroupKwargs):
+            given = handler.to_kwargs()  # only what differs from the defaults, as Accelerate reads it
+        elif not hasattr(handler, "to_kwargs"):
+            raise TypeError(
+                f"kwargs_handlers must be Accelerate kwargs handlers, got {type(handler).__name__}"
+            )
+    chosen = backend or given.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
+    _init_process_group(chosen, init_method=given.get("init_method"), timeout=given.get("timeout"))
+
+
+def step(
+    accelerator: Any,
+    fn: Callable[[], T],
+    *,
+    timeout: float | datetime.timedelta,
+    max_retries: int = 3,
+    recover_timeout: float | datetime.timedelta = 60.0,
+    state: Any = None,
+) -> T:
+    """Runs ``fn`` (forward, ``accelerator.backward``, the optimizers' step and zero_grad) in
+    ``fail_after(timeout)``; after a fault, :func:`fastdist.recover` and ``fn`` again, at most
+    ``max_retries`` times, with the RNG state it started with and, under gradient accumulation,
+    the gradients of the window's earlier micro-batches (so the redone step sums the same
+    micro-batches as an undisturbed run). Call it inside ``accelerator.accumulate(model)``, once
+    per micro-batch: Accelerate counts the micro-batch once, when the block is entered.
+
+    A step whose optimizer had already updated the parameters when it failed (a collective after
+    ``opt.step()`` inside ``fn``) is not redone: ``RuntimeError``. Keep logging and metric
+    collectives (``gather``, ``reduce``) after ``step``."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    optimizers = getattr(accelerator, "_optimizers", None)
+    if optimizers is None:
+        raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    seconds = positive_seconds(timeout, "timeout")
+    retries = check_retries(max_retries)
+    recover_seconds = positive_seconds(recover_timeout, "recover_timeout")
+    start = StepStart(optimizers, keep_grads=accelerator.gradient_accumulation_steps > 1)
+
+    def attempt() -> T:
+        with fail_after(seconds):
+            return fn()
+
+    result, _ = redo_after_fault(
+        attempt, start, max_retries=retries, recover_timeout=recover_seconds, state=state
+    )
+    return result

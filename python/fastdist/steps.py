@@ -1,0 +1,187 @@
+"""A training step that is redone in place after a fault: ``fastdist.run_step``.
+
+Every framework integration (fastdist.lightning, fastdist.accelerate) and a loop written by hand
+share the rule of this module: the step runs in ``fail_after(timeout)``; when it raises a
+:class:`~fastdist.FastdistError`, :func:`fastdist.recover` rebuilds the group, what the failed
+attempt changed is put back (the gradients of the earlier micro-batches when accumulating, the RNG
+state), and the step runs again, at most ``max_retries`` times. A step whose optimizer had already
+updated the parameters when it failed is never redone (that would apply the update twice): it
+raises ``RuntimeError`` saying so (not a FastdistError: a handler that recovers and retries must
+not catch it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+
+from .deadlines import fail_after, validate_seconds
+from .errors import FastdistError
+from .recovery.recover import recover
+
+log = logging.getLogger("fastdist")
+
+T = TypeVar("T")
+
+
+def check_retries(max_retries: object) -> int:
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int):
+        raise TypeError(f"max_retries must be an int, got {type(max_retries).__name__}: {max_retries!r}")
+    if max_retries < 0:
+        raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+    return max_retries
+
+
+def positive_seconds(value: object, name: str) -> float:
+    if value is None:
+        raise TypeError(f"{name} must be a number of seconds or a datetime.timedelta, got None")
+    seconds = validate_seconds(value, name)
+    if seconds <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return seconds
+
+
+def _inner(optimizer: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (Accelerate's AcceleratedOptimizer, a
+    torch Optimizer subclass that holds the real one; Lightning's LightningOptimizer)."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizers must hold torch.optim.Optimizer objects, got {type(optimizer).__name__}")
+    return optimizer
+
+
+class StepStart:
+    """What a step changes before its optimizer update and must be as it was when the step is
+    redone: the gradients already accumulated (``keep_grads``) and the RNG state. It also counts
+    the optimizers' updates during the attempt, so that a step that failed after one is not
+    redone."""
+
+    def __init__(self, optimizers: Iterable[Any] = (), keep_grads: bool = False) -> None:
+        self.optimizers = [_inner(o) for o in optimizers]
+        self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        if keep_grads:
+            for opt in self.optimizers:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        self.grads.append((p, None if p.grad is None else p.grad.detach().clone()))
+        self.rng = torch.random.get_rng_state()
+        cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+        self.updates = 0
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> StepStart:  # noqa: PYI034 (subclasses need nothing else)
+        def count(*_: Any) -> None:
+            self.updates += 1
+
+        self._hooks = [opt.register_step_post_hook(count) for opt in self.optimizers]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def restore(self) -> None:
+        for p, grad in self.grads:
+            if grad is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = grad.clone()
+            else:
+                p.grad.copy_(grad)
+        torch.random.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        self.updates = 0
+
+
+def redo_after_fault(
+    attempt: Callable[[], T],
+    start: StepStart,
+    *,
+    max_retries: int,
+    recover_timeout: float,
+    group: Any = None,
+    state: Any = None,
+    on_retry: Callable[[], None] | None = None,
+) -> tuple[T, int]:
+    """Runs ``attempt`` until it returns, recovering and restoring ``start`` after each fault;
+    returns its result and how many times it was redone."""
+    failures = 0
+    while True:
+        try:
+            with start:
+                return attempt(), failures
+        except FastdistError as err:
+            failures += 1
+            if start.updates:
+                raise RuntimeError(
+                    f"fastdist: the step failed after its optimizer had updated the parameters ({err}); "
+                    "redoing it would apply the update twice: keep collectives that follow optimizer.step() "
+                    "(logging, metrics) out of the step, and call fastdist.recover() before going on"
+                ) from err
+            if failures > max_retries:
+                raise
+            log.warning(
+                "fastdist: step failed (%s); recovering and redoing it (%d of %d)", err, failures, max_retries
+            )
+            recover(group, timeout=recover_timeout, state=state)
+            start.restore()
+            if on_retry is not None:
+                on_retry()
+
+
+def run_step(
+    step: Callable[[], T],
+    *,
+    timeout: float | datetime.timedelta,
+    optimizers: Iterable[Any] = (),
+    keep_grads: bool = False,
+    max_retries: int = 3,
+    recover_timeout: float | datetime.timedelta = 60.0,
+    group: Any = None,
+    state: Any = None,
+) -> T:
+    """Runs ``step()`` (forward, backward, optimizer update) with a deadline, and after a fault
+    recovers the group and runs it again in place::
+
+        for batch in loader:
+            def step():
+                opt.zero_grad()
+                loss_fn(model(batch)).backward()
+                opt.step()
+            fastdist.run_step(step, timeout=30, optimizers=[opt])
+
+    ``optimizers``: the step's optimizers (wrapped ones too). An attempt during which one of them
+    updated the parameters is not redone: ``RuntimeError``. ``keep_grads=True`` when the
+    step is the last micro-batch of a gradient-accumulation window and does not zero the
+    gradients: the gradients at the start are copied and put back before a retry. The RNG state
+    is put back too. After ``max_retries`` faults the last error is raised. ``state`` is passed
+    to :func:`recover` (a replacement of a dead rank is brought up to date with it).
+    """
+    if not callable(step):
+        raise TypeError(f"step must be callable, got {type(step).__name__}")
+    seconds = positive_seconds(timeout, "timeout")
+    retries = check_retries(max_retries)
+    recover_seconds = positive_seconds(recover_timeout, "recover_timeout")
+    if not isinstance(keep_grads, bool):
+        raise TypeError(f"keep_grads must be a bool, got {type(keep_grads).__name__}: {keep_grads!r}")
+    start = StepStart(optimizers, keep_grads)
+
+    def attempt() -> T:
+        with fail_after(seconds):
+            return step()
+
+    result, _ = redo_after_fault(
+        attempt, start, max_retries=retries, recover_timeout=recover_seconds, group=group, state=state
+    )
+    return result
