@@ -1,9 +1,17 @@
-"""fastdist.lightning.DDPStrategy in real Lightning jobs (tests/lightning_job.py): 3 ranks on CPU,
-launched by Lightning's own launcher and by torchrun; rank 2 stalls 3.5 s at step 3 against a 2 s
-step deadline. Every rank must finish step 20 having redone the step once, with parameters,
-momentum, LR scheduler, Lightning's progress counters and logged metrics equal to an undisturbed
-fit in the same processes (with ``accumulate_grad_batches`` 1 and 2, validation with
-``sync_dist`` every 5 steps, dropout)."""
+"""Frameworks on watched groups, in real jobs of 3 ranks on CPU where rank 2 stalls 3.5 s at step 3
+against a 2 s step deadline: every rank must finish step 20 having redone the step once, with
+parameters and momentum equal (within 1e-6) to an undisturbed run in the same processes.
+
+- fastdist.lightning.DDPStrategy (tests/lightning_job.py), launched by Lightning's own launcher
+  and by torchrun: also the LR scheduler, Lightning's progress counters and the logged metrics,
+  with ``accumulate_grad_batches`` 1 and 2, validation with ``sync_dist`` every 5 steps, dropout.
+- fastdist.accelerate (tests/accelerate_job.py) under torchrun: ``accumulate()`` with 2
+  micro-batches, ``InitProcessGroupKwargs(timeout=)`` reaching the group, ``gather`` after the
+  step.
+- fastdist.run_step, in process: its arguments, and a step that failed after its optimizer's
+  update is not redone.
+- A default group made by torch.distributed.init_process_group: the first deadline scope warns
+  once, naming the fix."""
 
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import fastdist
 import pytest
 import torch
 
@@ -59,6 +68,7 @@ def _largest_difference(a: Any, b: Any) -> float:
 
 def _check(out: Path, accums: list[int], text: str) -> None:
     assert "rank 2 never arrived" in text, text[-4000:]  # the stall was real and named
+    assert "cannot bound the ops" not in text  # the group is watched: no warning
     for accum in accums:
         ref = torch.load(out / f"rank0-accum{accum}-undisturbed.pt", weights_only=False)
         for rank in range(3):
@@ -132,3 +142,96 @@ def test_strategy_arguments_and_both_lightning_packages() -> None:
     assert not issubclass(
         fl.ddp_strategy_class("pytorch_lightning"), lightning.pytorch.strategies.DDPStrategy
     )
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_under_torchrun_with_accumulate(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=3",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        str(HERE / "accelerate_job.py"),
+        "--out",
+        str(out),
+    ]
+    text = _launch(cmd, tmp_path, 100)
+    assert "rank 2 never arrived" in text, text[-4000:]
+    ref = torch.load(out / "rank0-undisturbed.pt", weights_only=False)
+    for rank in range(3):
+        clean = torch.load(out / f"rank{rank}-undisturbed.pt", weights_only=False)
+        got = torch.load(out / f"rank{rank}-stalled.pt", weights_only=False)
+        assert clean["retries"] == 0 and got["retries"] == 1, rank
+        assert got["world"] == 3 and got["group_timeout"] == 77.0, rank  # InitProcessGroupKwargs(timeout=)
+        assert _largest_difference(ref, clean) <= 1e-6 and _largest_difference(ref, got) <= 1e-6, rank
+        assert got["optimizer_steps"] == clean["optimizer_steps"] == 60, (
+            rank
+        )  # 20 steps x 3 (Accelerate's rule)
+        assert got["lr"] == clean["lr"] and len(got["losses"]) == 40, rank
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= 1e-6, rank
+
+
+@pytest.mark.timeout(30)
+def test_run_step_arguments_and_a_step_that_already_updated_is_not_redone() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    for kwargs, kind, name in [
+        ({"timeout": None}, TypeError, "timeout"),
+        ({"timeout": 0}, ValueError, "timeout"),
+        ({"timeout": 1, "max_retries": -2}, ValueError, "max_retries"),
+        ({"timeout": 1, "keep_grads": 1}, TypeError, "keep_grads"),
+        ({"timeout": 1, "optimizers": [object()]}, TypeError, "optimizers"),
+        ({"timeout": 1, "recover_timeout": -1}, ValueError, "recover_timeout"),
+    ]:
+        with pytest.raises(kind, match=name):
+            fastdist.run_step(lambda: None, **kwargs)
+    assert fastdist.run_step(lambda: 7, timeout=5) == 7
+
+    def step() -> None:
+        p.grad = torch.ones(2)
+        opt.step()
+        raise fastdist.GroupAbortedError(op="all_reduce", group="default", rank=0, reason="a test")
+
+    with pytest.raises(RuntimeError, match="apply the update twice") as info:
+        fastdist.run_step(step, timeout=5, optimizers=[opt])
+    assert isinstance(info.value.__cause__, fastdist.GroupAbortedError)
+    assert not isinstance(info.value, fastdist.FastdistError)
+    assert torch.equal(p.detach(), torch.full((2,), 0.5))  # updated once, not redone
+    assert not opt._optimizer_step_post_hooks  # the counting hook is gone
+
+
+UNWATCHED = """
+import sys, warnings, torch, torch.distributed as dist, fastdist
+with fastdist.fail_after(5):  # no group yet: nothing to say
+    pass
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(3):
+        with fastdist.fail_after(5):
+            dist.all_reduce(torch.ones(1))
+for w in caught:
+    print(w.category.__name__, w.filename.rsplit("/", 1)[-1], w.message)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_scope_over_a_group_torch_made_warns_once_naming_the_fix() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", UNWATCHED, str(_free_port())],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, lines  # once, not per scope
+    assert lines[0].startswith("RuntimeWarning <string> fastdist:"), lines  # pointing at the user's line
+    assert "fastdist.init_process_group" in lines[0] and "fastdist.lightning.DDPStrategy" in lines[0]

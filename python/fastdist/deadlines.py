@@ -14,9 +14,11 @@ import datetime
 import math
 import numbers
 import os
+import sys
 import threading
 import time
 import types
+import warnings
 from typing import Any, Callable, Union
 
 from ._native import _core, _watched
@@ -167,6 +169,41 @@ class DeadlineScope:
         return f"DeadlineScope(deadline={self.deadline:.3f}, remaining={self.remaining():.3f} s)"
 
 
+# Whether the default group has been looked at by a scope: once, when the first scope opens after
+# torch.distributed is initialized (one global read per scope after that).
+_default_group_checked = False
+
+
+def _check_default_group() -> None:
+    """Warns once when a deadline scope opens while the default group is one fastdist does not
+    watch (made by torch.distributed.init_process_group, as a framework does when fastdist is not
+    told): the ops torch issues on it would have no deadline, silently."""
+    global _default_group_checked
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    _default_group_checked = True
+    from .groups.registry import is_watched
+
+    pg = dist.group.WORLD
+    if pg is not None and not is_watched(pg):
+        # Point at the user's `with` line: the first frame outside this module.
+        level, frame = 1, sys._getframe(0)  # type: int, types.FrameType | None
+        while frame is not None and frame.f_code.co_filename == __file__:
+            level, frame = level + 1, frame.f_back
+        warnings.warn(
+            "fastdist: this deadline scope cannot bound the ops torch issues on the default group (DDP's, "
+            "FSDP's, torch.distributed.*): it was made by torch.distributed.init_process_group, not "
+            "fastdist.init_process_group. Make it with fastdist.init_process_group before your framework "
+            "makes one (Lightning: strategy=fastdist.lightning.DDPStrategy(); Accelerate: "
+            "fastdist.accelerate.init_process_group() before Accelerator()). fastdist's own calls are "
+            "still bounded.",
+            RuntimeWarning,
+            stacklevel=level,
+        )
+
+
 class _Scope(DeadlineScope):
     """An open fail_after / fail_at scope: a context manager that is its own DeadlineScope. A class
     rather than a generator: entering and leaving it is on every training step's path."""
@@ -174,6 +211,8 @@ class _Scope(DeadlineScope):
     __slots__ = ("_reset", "_since", "_thread")
 
     def __enter__(self) -> DeadlineScope:
+        if not _default_group_checked:
+            _check_default_group()
         self._thread = _get_ident()
         outer = _scope_deadline.get()
         self.deadline = min(self.deadline, outer)
