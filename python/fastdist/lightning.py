@@ -70,12 +70,50 @@ def _chosen_package() -> str:
     )
 
 
-class _Mixin:
+def _init_watched_group(strategy: Any) -> None:
+    """The default group, made by :func:`fastdist.init_process_group` (watched) where Lightning
+    would call torch's: from the strategy's cluster environment, with its backend and timeout. A
+    group that exists already (a second ``fit``, or one the script made) is used as it is."""
+    if torch.distributed.is_initialized():
+        return
+    env = strategy.cluster_environment
+    os.environ["MASTER_ADDR"] = env.main_address
+    os.environ["MASTER_PORT"] = str(env.main_port)
+    init_process_group(
+        strategy._process_group_backend,
+        rank=strategy.global_rank,
+        world_size=strategy.world_size,
+        timeout=strategy._timeout,
+    )
+
+
+class _Bounded:
+    """The strategy's own collectives outside the step (``barrier``, ``broadcast``, ``reduce`` /
+    ``all_reduce``, ``all_gather``), each in ``fail_after(collective_timeout)``."""
+
+    _fastdist_collective_timeout: float | None = None
+
+    def _bounded(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._fastdist_collective_timeout is None:
+            return call(*args, **kwargs)
+        with fail_after(self._fastdist_collective_timeout):
+            return call(*args, **kwargs)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._bounded(super().barrier, *args, **kwargs)  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._bounded(super().broadcast, obj, src)  # type: ignore[misc]
+
+    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._bounded(super().all_gather, tensor, *args, **kwargs)  # type: ignore[misc]
+
+
+class _Mixin(_Bounded):
     """The behaviour fastdist adds to a Lightning strategy; the class is put together with the
     strategy of the installed package by :func:`ddp_strategy_class`."""
 
     _fastdist_step_timeout: float | None
-    _fastdist_collective_timeout: float | None
     _fastdist_recover_timeout: float
     _fastdist_max_retries: int
     retries: int
@@ -111,14 +149,7 @@ class _Mixin:
         seed.reset_seed()
         s.set_world_ranks()
         s._process_group_backend = s._get_process_group_backend()
-        if torch.distributed.is_initialized():
-            return
-        env = s.cluster_environment
-        os.environ["MASTER_ADDR"] = env.main_address
-        os.environ["MASTER_PORT"] = str(env.main_port)
-        init_process_group(
-            s._process_group_backend, rank=s.global_rank, world_size=s.world_size, timeout=s._timeout
-        )
+        _init_watched_group(s)
 
     def setup(self, trainer: Any) -> None:
         module = getattr(trainer, "lightning_module", None)
@@ -129,6 +160,9 @@ class _Mixin:
             )
         super().setup(trainer)  # type: ignore[misc]
         self._bound_sigterm_broadcast(trainer)
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._bounded(super().reduce, tensor, *args, **kwargs)  # type: ignore[misc]
 
     def _bound_sigterm_broadcast(self, trainer: Any) -> None:
         """Lightning broadcasts a "SIGTERM received" flag from rank 0 before every batch, outside
@@ -172,26 +206,6 @@ class _Mixin:
         )
         self.retries += redone
         return result
-
-    # -- the strategy's collectives outside the step -----------------------------------------
-
-    def _bounded(self, call: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._fastdist_collective_timeout is None:
-            return call(*args, **kwargs)
-        with fail_after(self._fastdist_collective_timeout):
-            return call(*args, **kwargs)
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self._bounded(super().barrier, *args, **kwargs)  # type: ignore[misc]
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._bounded(super().broadcast, obj, src)  # type: ignore[misc]
-
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._bounded(super().reduce, tensor, *args, **kwargs)  # type: ignore[misc]
-
-    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._bounded(super().all_gather, tensor, *args, **kwargs)  # type: ignore[misc]
 
 
 class _StepStart(StepStart):
@@ -271,7 +285,63 @@ def ddp_strategy_class(package: str | None = None) -> type:
     return _classes[name]
 
 
+class _FabricMixin(_Bounded):
+    """Fabric's DDP strategy with the group made by :func:`fastdist.init_process_group` and its
+    collectives bounded by ``collective_timeout``; the loop is the user's (see
+    :func:`fabric_ddp_strategy_class`)."""
+
+    def __init__(
+        self, *args: Any, collective_timeout: float | datetime.timedelta | None = None, **kwargs: Any
+    ) -> None:
+        self._fastdist_collective_timeout = (
+            None if collective_timeout is None else positive_seconds(collective_timeout, "collective_timeout")
+        )
+        super().__init__(*args, **kwargs)
+
+    def _setup_distributed(self) -> None:
+        s: Any = self
+        s._set_world_ranks()
+        s._process_group_backend = s._get_process_group_backend()
+        _init_watched_group(s)
+
+    def all_reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._bounded(super().all_reduce, tensor, *args, **kwargs)  # type: ignore[misc]
+
+
+_FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
+
+
+def fabric_ddp_strategy_class(package: str | None = None) -> type:
+    """fastdist's DDP strategy for Fabric, built on ``package``'s Fabric (``"lightning.fabric"``
+    or ``"lightning_fabric"``; default: the one that goes with the Lightning package the program
+    imported). Fabric's loop is the user's: bound and redo each step with
+    :func:`fastdist.run_step`::
+
+        fabric = Fabric(accelerator="cpu", devices=3, strategy=fastdist.lightning.FabricDDPStrategy())
+        fabric.launch()
+        model, opt = fabric.setup(model, opt)
+        for x, y in loader:
+            def step():
+                opt.zero_grad()
+                fabric.backward(loss_fn(model(x), y))
+                opt.step()
+            fastdist.run_step(step, timeout=30, optimizers=[opt])
+    """
+    name = _FABRIC[_chosen_package()] if package is None else package
+    if name not in _FABRIC.values():
+        raise ValueError(f"package must be one of {', '.join(_FABRIC.values())}; got {package!r}")
+    if name not in _classes:
+        base = importlib.import_module(name + ".strategies").DDPStrategy
+        cls = type("FabricDDPStrategy", (_FabricMixin, base), {"__module__": __name__})
+        cls.__doc__ = fabric_ddp_strategy_class.__doc__
+        cls.__qualname__ = "FabricDDPStrategy"
+        _classes[name] = cls
+    return _classes[name]
+
+
 def __getattr__(name: str) -> Any:
     if name == "DDPStrategy":
         return ddp_strategy_class()
+    if name == "FabricDDPStrategy":
+        return fabric_ddp_strategy_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

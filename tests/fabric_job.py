@@ -1,0 +1,89 @@
+"""A Fabric loop as a user writes it, for tests/test_frameworks.py: ``python tests/fabric_job.py
+--out DIR`` (Fabric's own launcher starts 3 processes). CPU (gloo),
+fastdist.lightning.FabricDDPStrategy, gradient accumulation over 2 micro-batches with
+``no_backward_sync``, dropout, a LR scheduler, each micro-batch in ``fastdist.run_step`` and
+``fabric.all_reduce`` of the loss after it.
+
+Each process trains twice: undisturbed, then with rank 2 stalling ``--stall`` s in the last
+micro-batch of optimizer step 3. After each run it saves what the test compares to
+``DIR/rank{R}-{run}.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import fastdist
+import fastdist.lightning
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader, TensorDataset
+
+STALL_RANK, STALL_STEP, STEPS, ACCUM = 2, 3, 20, 2
+
+
+def train(fabric: Fabric, stall: float) -> dict[str, Any]:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)]
+    net = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    model, fopt = fabric.setup(net, opt)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
+    loader = fabric.setup_dataloaders(
+        DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
+    )
+    torch.manual_seed(1 + fabric.global_rank)
+    stalled, calls, losses = False, 0, []
+    for i, (xb, yb) in enumerate(loader):
+        last = (i + 1) % ACCUM == 0
+
+        def step(i: int = i, xb: torch.Tensor = xb, yb: torch.Tensor = yb, last: bool = last) -> torch.Tensor:
+            nonlocal stalled, calls
+            calls += 1
+            if stall and not stalled and fabric.global_rank == STALL_RANK and i == STALL_STEP * ACCUM + 1:
+                stalled = True
+                time.sleep(stall)
+            with fabric.no_backward_sync(model, enabled=not last):
+                loss = F.mse_loss(model(xb), yb)
+                fabric.backward(loss / ACCUM)
+            if last:
+                fopt.step()
+                fopt.zero_grad()
+                sched.step()
+            return loss.detach()
+
+        loss = fastdist.run_step(step, timeout=2, optimizers=[fopt], keep_grads=True)
+        losses.append(fabric.all_reduce(loss, reduce_op="sum").item())  # bounded by collective_timeout
+    return {
+        "rank": fabric.global_rank,
+        "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
+        "momentum": [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()],
+        "lr": [pg["lr"] for pg in opt.param_groups],
+        "optimizer_steps": sched.last_epoch,
+        "losses": losses,
+        "retries": calls - len(loader),
+        "world": torch.distributed.get_world_size(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--stall", type=float, default=3.5)
+    args = p.parse_args()
+    strategy = fastdist.lightning.FabricDDPStrategy(collective_timeout=30)
+    fabric = Fabric(accelerator="cpu", devices=3, strategy=strategy)
+    fabric.launch()
+    for run, stall in (("undisturbed", 0.0), ("stalled", args.stall)):
+        result = train(fabric, stall)
+        torch.save(result, os.path.join(args.out, f"rank{result['rank']}-{run}.pt"))
+
+
+if __name__ == "__main__":
+    main()
