@@ -188,27 +188,48 @@ def _device_of(group: Any) -> torch.device:
     )
 
 
+class Packed:
+    """State dicts ready for the wire: the header's length, the header (the structure, pickled,
+    with each tensor's place), then the packed buffer and the large tensors, in chunks."""
+
+    def __init__(self, dicts: Mapping[str, Any] | None, device: torch.device) -> None:
+        packing = _Packing()
+        skeleton = None if dicts is None else {k: _pack(v, packing) for k, v in dicts.items()}
+        header = pickle.dumps((skeleton, packing.size), protocol=pickle.HIGHEST_PROTOCOL)
+        buf = torch.zeros(packing.size, dtype=torch.uint8, device=device)
+        for off, t in packing.packed:
+            n = t.numel() * t.element_size()
+            if n:
+                buf.narrow(0, off, n).copy_(t.reshape(-1).view(torch.uint8))
+        self.meta = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+        self.size = torch.tensor([self.meta.numel()], dtype=torch.int64, device=device)
+        self.wire = [c for t in (buf, *packing.direct) for c in _chunks(t)]
+        self.nbytes = packing.size + sum(t.numel() * t.element_size() for t in packing.direct)
+
+    def send(self, dst: int, group: Any) -> None:
+        for t in (self.size, self.meta, *self.wire):
+            dist.send(t, dst, group=group)
+
+    def isend(self, dst: int, group: Any) -> list[Any]:
+        """The same as :meth:`send`, each piece posted at once: the works to wait on."""
+        return [dist.isend(t, dst, group=group) for t in (self.size, self.meta, *self.wire)]
+
+
 def send(state: Mapping[str, Any] | None, joiners: list[int], group: Any, deadline: float) -> int:
     """Sends ``state`` (or word that there is none) to each of ``joiners`` (global ranks); every
     op bounded by ``deadline``. Returns the bytes sent to each."""
-    device = _device_of(group)
-    packing = _Packing()
-    skeleton = None if state is None else {k: _pack(v.state_dict(), packing) for k, v in state.items()}
-    header = pickle.dumps((skeleton, packing.size), protocol=pickle.HIGHEST_PROTOCOL)
-    buf = torch.zeros(packing.size, dtype=torch.uint8, device=device)
-    for off, t in packing.packed:
-        n = t.numel() * t.element_size()
-        if n:
-            buf.narrow(0, off, n).copy_(t.reshape(-1).view(torch.uint8))
-    meta = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+    return send_dicts(
+        None if state is None else {k: v.state_dict() for k, v in state.items()}, joiners, group, deadline
+    )
+
+
+def send_dicts(dicts: Mapping[str, Any] | None, joiners: list[int], group: Any, deadline: float) -> int:
+    """:func:`send` of state dicts already made (a snapshot's)."""
+    packed = Packed(dicts, _device_of(group))
     with fail_at(deadline):
         for j in joiners:
-            dist.send(torch.tensor([meta.numel()], dtype=torch.int64, device=device), j, group=group)
-            dist.send(meta, j, group=group)
-            for t in (buf, *packing.direct):
-                for chunk in _chunks(t):
-                    dist.send(chunk, j, group=group)
-    return packing.size + sum(t.numel() * t.element_size() for t in packing.direct)
+            packed.send(j, group)
+    return packed.nbytes
 
 
 def receive(
