@@ -59,6 +59,7 @@ from .metrics import serve_metrics
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .process_group import get_rank, get_world_size, init_process_group
 from .recovery.recover import recover, sync_state
+from .recovery.snapshot import PeerSnapshot
 from .steps import run_step
 from .store.etcd import EtcdStore
 
@@ -72,6 +73,7 @@ __all__ = [
     "EtcdStore",
     "FastdistError",
     "GroupAbortedError",
+    "PeerSnapshot",
     "RecoveryError",
     "RendezvousClosedError",
     "RendezvousConnectionError",

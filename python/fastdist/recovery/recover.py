@@ -39,6 +39,7 @@ from ..ops import polled
 from ..store import keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded, stuck
 from . import joining, state_sync, wrappers
+from .snapshot import PeerSnapshot, newest_covering
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ lineage: dict[str, Any] = {"backend": None, "timeout": None, "root": None}
 LINEAGE_PROBE = keys.key("lineage")
 
 
-def sync_state(state: Any, *, timeout: TimeoutLike = None) -> bool:
+def sync_state(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None) -> bool:
     """Loads the live ranks' state into ``state`` on a process that joined a running job, and
     returns True; returns False at once on a first start (nothing to load).
 
@@ -59,9 +60,12 @@ def sync_state(state: Any, *, timeout: TimeoutLike = None) -> bool:
     ``recover(state=...)``: every group it made is connected for real, and a live rank sends its
     state over the default group. Bounded by ``timeout`` (default: the default timeout); raises
     :class:`RecoveryError` when the live ranks do not take it in, or when ``state`` holds sharded
-    tensors (FSDP2), which no live rank has.
+    tensors (FSDP2) and no ``snapshot`` (a :class:`fastdist.PeerSnapshot` of ``state``, made
+    before this call): with one, the joiner receives its predecessor's shards from a rank that
+    holds a copy, and the whole job rolls back to that snapshot.
     """
     state = state_sync.check_state(state)
+    _check_snapshot(snapshot, state)
     if not joining.is_pending():
         return False
     if timeout is None:
@@ -70,14 +74,28 @@ def sync_state(state: Any, *, timeout: TimeoutLike = None) -> bool:
     st = pgstate.state_of(pg)
     # The live ranks agree on the generation after the last one agreed: this rank's next.
     st.generation = int(lineage["root"].add(f"{keys.key('recover', st.name)}/latest", 0))
-    recover(timeout=timeout, state=state)
+    recover(timeout=timeout, state=state, snapshot=snapshot)
     joining.set_pending(False)
     listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
     return True
 
 
+def _check_snapshot(snapshot: Any, state: Any) -> None:
+    if snapshot is None:
+        return
+    if not isinstance(snapshot, PeerSnapshot):
+        raise TypeError(f"snapshot must be a fastdist.PeerSnapshot, got {type(snapshot).__name__}")
+    if state is None or set(snapshot.state) != set(state):
+        raise ValueError("snapshot must be a PeerSnapshot of the same state (the same keys) as state=")
+
+
 def recover(
-    group: Any = None, *, timeout: TimeoutLike = None, allow_shrink: bool = False, state: Any = None
+    group: Any = None,
+    *,
+    timeout: TimeoutLike = None,
+    allow_shrink: bool = False,
+    state: Any = None,
+    snapshot: Any = None,
 ) -> Any:
     """Rebuilds ``group`` (default: the default group) after a timeout or a
     :class:`GroupAbortedError`; every live rank of the group must call it. Returns the new group
@@ -97,9 +115,16 @@ def recover(
     the others pass theirs too (it is not read). Without ``state`` a joiner cannot be brought
     up to date, and recovery raises :class:`RecoveryError` on every rank rather than train on
     with a rank that holds other weights.
+
+    ``snapshot`` (a :class:`fastdist.PeerSnapshot` of ``state``): when a joiner takes a dead
+    rank's place and ``state`` is sharded (FSDP2), every rank loads the newest snapshot whose
+    copies cover every rank (the joiner its predecessor's copy, from a rank that holds it), so the
+    job rolls back to it; ``snapshot.restored_step`` says which step (None: no roll-back, as after
+    a stall). The group is returned as always.
     """
     if state is not None:
         state = state_sync.check_state(state)
+    _check_snapshot(snapshot, state)
     start = current_time()
     deadline = effective_deadline(timeout, start)
     if not isinstance(allow_shrink, bool):
@@ -107,7 +132,7 @@ def recover(
     pg = pgstate.resolve(group)
     if pg is None:
         raise ValueError("this process is not a member of the group it asked to recover")
-    return _one_at_a_time(pg, deadline, lambda: _recover(pg, start, deadline, allow_shrink, state))
+    return _one_at_a_time(pg, deadline, lambda: _recover(pg, start, deadline, allow_shrink, state, snapshot))
 
 
 class _Turns:
@@ -174,7 +199,14 @@ def _one_at_a_time(pg: Any, deadline: float, attempt: Any) -> Any:
             turns.cond.notify_all()
 
 
-def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: dict[str, Any] | None) -> Any:
+def _recover(
+    pg: Any,
+    start: float,
+    deadline: float,
+    allow_shrink: bool,
+    state: dict[str, Any] | None,
+    snapshot: PeerSnapshot | None = None,
+) -> Any:
     st = pgstate.state_of(pg)
     is_default = dist.is_initialized() and pg is dist.distributed_c10d._get_default_group()
     if is_default and lineage["root"] is None:
@@ -237,7 +269,7 @@ def _recover(pg: Any, start: float, deadline: float, allow_shrink: bool, state: 
         joiners = _joiners(store, st, gen) if is_default else []
         if joiners:
             wrappers.fresh_ddp_reducers(groups)
-            _hand_over(pg, st, gen, state, joiners, deadline)
+            _hand_over(pg, st, gen, state, joiners, deadline, snapshot)
             if me == joiners[0]:  # every member read the list before the hand-over's barrier
                 with contextlib.suppress(RuntimeError):  # a store without delete keeps it
                     store.delete_key(_joiners_key(st, gen))
@@ -300,8 +332,10 @@ def _hand_over(
     state: dict[str, Any] | None,
     joiners: list[int],
     deadline: float,
+    snapshot: PeerSnapshot | None = None,
 ) -> None:
-    """A live rank's ``state`` to the ranks that joined; on a joiner, loaded into its ``state``."""
+    """A live rank's ``state`` to the ranks that joined; on a joiner, loaded into its ``state``.
+    Sharded state with a snapshot: every rank rolls back to the snapshot instead."""
     me = st.my_global_rank
     names = ", ".join(f"rank {r}" for r in joiners)
 
@@ -309,11 +343,15 @@ def _hand_over(
         return RecoveryError(group=st.name, rank=me, generation=gen, reason=reason, missing_ranks=None)
 
     sharded = state_sync.sharded_entries(state) if state is not None else []
+    if sharded and snapshot is not None:
+        _roll_back(pg, st, gen, snapshot, joiners, deadline, fail)
+        return
     if sharded:
         raise fail(
             f"{names} joined in a dead rank's place, but the state entries {', '.join(map(repr, sharded))} "
-            "hold sharded tensors (FSDP2/DTensor): the dead rank's shards are on no live rank. Restart the "
-            "job from a checkpoint"
+            "hold sharded tensors (FSDP2/DTensor): the dead rank's shards are on no live rank. Keep "
+            "copies on other ranks (fastdist.PeerSnapshot, passed as snapshot=), or restart the job from a "
+            "checkpoint"
         )
     if len(joiners) >= st.size:
         raise fail(
@@ -348,6 +386,55 @@ def _hand_over(
     for key, obj in state.items():
         obj.load_state_dict(received[key])
     logger.info("rank %d: loaded the state of rank %d (generation %d)", me, source, gen)
+
+
+def _roll_back(
+    pg: Any,
+    st: pgstate.GroupState,
+    gen: int,
+    snapshot: PeerSnapshot,
+    joiners: list[int],
+    deadline: float,
+    fail: Any,
+) -> None:
+    """Every member loads the newest snapshot whose copies cover every rank: its own copy, or, on
+    a joiner, its predecessor's, sent by the lowest live rank that holds it. Then a snapshot of
+    that step is taken afresh, so that the joiner holds its neighbours' copies again."""
+    me = st.my_global_rank
+    everyone: list[Any] = [None] * st.size
+    try:
+        with fail_at(deadline):
+            dist.all_gather_object(everyone, snapshot.holdings(), group=pg)
+    except FastdistError as exc:
+        raise fail(f"agreeing on a snapshot failed: {exc}") from None
+    live = [r for r in range(st.size) if r not in joiners]
+    target = newest_covering(everyone, joiners)
+    if target is None:
+        lost = ", ".join(f"rank {j} (copies on ranks {snapshot.holders[j]})" for j in joiners)
+        raise fail(
+            f"no live rank holds a complete snapshot of the shards of {lost}: the rank and the holders "
+            f"of its copies are gone (copies={snapshot.copies}), or no snapshot was taken yet. Restart the "
+            "job from a torch.distributed.checkpoint checkpoint"
+        )
+    try:
+        received = None
+        for j in joiners:
+            source = min(r for r in live if j in everyone[r].get(target, ()))
+            if me == source:
+                state_sync.send_dicts(snapshot.copy_of(target, j), [j], pg, deadline)
+            elif me == j:
+                received = state_sync.receive(source, pg, deadline)
+        mine = received if me in joiners else snapshot.copy_of(target, me)
+        if mine is None:
+            raise fail(f"the copy of rank {me}'s shards did not arrive")
+        snapshot.load(mine)
+        with fail_at(deadline):
+            dist.barrier(group=pg)
+        snapshot.restored_step = target
+        snapshot.take(target)
+    except FastdistError as exc:
+        raise fail(f"rolling back to the snapshot of step {target} failed: {exc}") from None
+    logger.info("rank %d: rolled back to the snapshot of step %d (generation %d)", me, target, gen)
 
 
 def _agree(

@@ -1,0 +1,132 @@
+"""FSDP2 with fastdist.PeerSnapshot, for tests/test_snapshot.py, under
+``fastdist run --nproc-per-node 4 --spares 1`` (world 3 and a spare): snapshots every 2 steps,
+12 steps with a fixed data order, rank 1 SIGKILLed in its forward at ``--kill-step`` (once: a
+marker file), or with ``--kill-in-snapshot S`` during the snapshot of step S, after sending its
+own copy and before the snapshot counts (the previous snapshot must be used). The spare takes
+rank 1's place with the copy of its shards that rank 2 holds, every rank rolls back to the last
+snapshot and trains on. Then every process trains the same model again, undisturbed, and saves
+both runs' full parameters and momentum to ``OUT/rank{R}.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from typing import Any
+
+import fastdist
+import torch
+from fastdist.examples.train_ddp import Progress
+from fastdist.recovery import snapshot, state_sync
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+STEPS = 12
+
+
+def build(mesh: Any) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def train(model: Any, opt: Any, progress: Progress, rank: int, snap: Any = None, state: Any = None) -> None:
+    while progress.step < STEPS:
+        try:
+            with fastdist.fail_after(5):
+                opt.zero_grad()
+                model(batch(progress.step, rank)).pow(2).mean().backward()
+                opt.step()
+            progress.step += 1
+            if snap is not None:
+                snap.step(progress.step)
+        except fastdist.FastdistError as err:
+            print(f"rank {rank}: step {progress.step} failed: {type(err).__name__}", flush=True)
+            fastdist.recover(timeout=60, state=state, snapshot=snap)
+            print(f"rank {rank}: recovered; rolled back to step {snap.restored_step}", flush=True)
+
+
+def full(model: Any, opt: Any) -> dict[str, Any]:
+    """Every parameter and momentum buffer whole (all-gathered: every rank calls it)."""
+    return {
+        "params": {k: v.full_tensor().clone() for k, v in model.state_dict().items()},
+        "momentum": [opt.state[p]["momentum_buffer"].full_tensor().clone() for p in model.parameters()],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--kill-step", type=int, default=7)
+    p.add_argument("--kill-in-snapshot", type=int, default=-1)
+    args = p.parse_args()
+    fastdist.init_process_group("gloo")  # a spare returns once it holds a dead rank's slot
+    rank = fastdist.get_rank()
+    mesh = init_device_mesh("cpu", (fastdist.get_world_size(),))
+    model, opt = build(mesh)
+    progress = Progress()
+    state = {"model": model, "optim": opt, "progress": progress}
+    available = snapshot._available_bytes
+    snapshot._available_bytes = lambda: 1000  # a host without room: refused before anything is made
+    try:
+        fastdist.PeerSnapshot(state, every=2, copies=1)
+    except MemoryError as err:
+        print(f"rank {rank}: refused: {err}", flush=True)
+    snapshot._available_bytes = available
+    snap = fastdist.PeerSnapshot(state, every=2, copies=1)
+    joined = fastdist.sync_state(state, timeout=60, snapshot=snap)
+    if joined:
+        print(
+            f"rank {rank}: joined at step {progress.step} (snapshot of step {snap.restored_step})", flush=True
+        )
+    marker = os.path.join(args.out, ".killed")
+    if rank == 1 and not os.path.exists(marker):
+
+        def die(*_: Any) -> None:
+            if progress.step == args.kill_step:
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        if args.kill_in_snapshot < 0:
+            model[1].register_forward_hook(die)
+        else:
+            exchange = snap._exchange
+
+            def dying_exchange(own: Any, deadline: float) -> Any:
+                if progress.step == args.kill_in_snapshot:
+                    packed = state_sync.Packed(own, torch.device("cpu"))
+                    works = [w for h in snap.holders[rank] for w in packed.isend(h, snap.group)]
+                    for w in works:
+                        w.wait()  # its copy reached its holder; the snapshot has not counted yet
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return exchange(own, deadline)
+
+            snap._exchange = dying_exchange  # type: ignore[method-assign]
+    train(model, opt, progress, rank, snap, state)
+    disturbed = full(model, opt)
+    held = snap.bytes_held()
+    model2, opt2 = build(mesh)
+    train(model2, opt2, Progress(), rank)
+    torch.save(
+        {
+            "disturbed": disturbed,
+            "undisturbed": full(model2, opt2),
+            "restored": snap.restored_step,
+            "joined": joined,
+            "bytes_held": held,
+            "step": progress.step,
+        },
+        os.path.join(args.out, f"rank{rank}.pt"),
+    )
+    print(f"rank {rank}: done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
