@@ -52,7 +52,7 @@ def test_absent_rank_times_out_everyone_who_waited(world_size: int) -> None:
         assert f"barrier #4 timed out on rank {origin}" in aborted["message"], aborted["message"]
         assert r.has("aborted_again"), info
         # The process ends promptly although its group is dead (the dead group must not block exit).
-        assert r.exited_at - r.record("ending")["wall"] < 2.0, info
+        assert r.exited_at - r.record("ending")["wall"] < 4.0, info
 
 
 def test_shared_deadline_handler_and_exit_code() -> None:

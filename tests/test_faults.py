@@ -22,7 +22,9 @@ def _check_timed_out(r, info, missing, seconds_max=T + 1.0):
     assert err["kind"] == "CollectiveTimeoutError", info
     assert err["missing"] == missing, info
     call = r.record("failing_call")
-    assert T <= call["seconds"] < seconds_max, info
+    # A rank rung by another rank's timeout raises when that rank's deadline passes: up to the
+    # difference in their ops' start times before its own.
+    assert T - 0.1 <= call["seconds"] < seconds_max, info
     return err
 
 
