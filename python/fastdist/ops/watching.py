@@ -224,7 +224,14 @@ def _remote_fault(call: OpCall, info: dict[str, Any]) -> BaseException:
     if isinstance(peer.get("dead"), str):
         return _aborted(pg, st, op, f"{peer['dead']} (seen by {who} in {what})")
     if peer.get("state") == "aborted":
-        # The ringer's op failed under it (a peer closed the group): not a timeout of its own.
+        # The ringer's op failed under it (a peer closed the group): not a timeout of its own. It
+        # rang before it knew who closed it; the report it collects says (a dead rank never posts).
+        rep = board.report(
+            st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, rung=True
+        )
+        cause, why = board.peer_closed_verdict(rep, began)
+        if cause is None and rep is not None and rep.missing:
+            return _aborted(pg, st, op, f"{why} (seen by {who} in {what})")
         return _aborted(
             pg,
             st,
