@@ -62,6 +62,22 @@ def _launch(cmd: list[str], tmp_path: Path, timeout: float) -> str:
     return text
 
 
+def _torchrun(script: str, out: Path, *args: str) -> list[str]:
+    """torchrun with 3 processes on a free port, running tests/SCRIPT --out OUT ARGS."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=3",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        str(HERE / script),
+        "--out",
+        str(out),
+        *args,
+    ]
+
+
 def _largest_difference(a: Any, b: Any) -> float:
     pairs = list(zip(a["params"].values(), b["params"].values())) + list(zip(a["momentum"], b["momentum"]))
     assert len(pairs) == len(a["params"]) + len(a["momentum"]) > 0
@@ -100,20 +116,7 @@ def test_trainer_under_lightnings_launcher_redoes_the_stalled_step_exactly_once(
 def test_trainer_under_torchrun_with_accumulation(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=3",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        str(HERE / "lightning_job.py"),
-        "--out",
-        str(out),
-        "--accum",
-        "2",
-    ]
+    cmd = _torchrun("lightning_job.py", out, "--accum", "2")
     _check(out, [2], _launch(cmd, tmp_path, 100))
 
 
@@ -188,18 +191,7 @@ def test_fabric_loop_in_run_step_under_fabrics_launcher(tmp_path: Path) -> None:
 def test_accelerate_under_torchrun_with_accumulate(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=3",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        str(HERE / "accelerate_job.py"),
-        "--out",
-        str(out),
-    ]
+    cmd = _torchrun("accelerate_job.py", out)
     _check_loop(out, _launch(cmd, tmp_path, 100), 60)  # 20 steps x 3 (Accelerate's scheduler rule)
     for rank in range(3):  # InitProcessGroupKwargs(timeout=) reached the group fastdist made
         assert torch.load(out / f"rank{rank}-stalled.pt", weights_only=False)["group_timeout"] == 77.0
