@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from mp import describe, run_ranks
+from mp import EXIT_SLACK, describe, run_ranks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,7 +52,7 @@ def test_absent_rank_times_out_everyone_who_waited(world_size: int) -> None:
         assert f"barrier #4 timed out on rank {origin}" in aborted["message"], aborted["message"]
         assert r.has("aborted_again"), info
         # The process ends promptly although its group is dead (the dead group must not block exit).
-        assert r.exited_at - r.record("ending")["wall"] < 4.0, info
+        assert r.exited_at - r.record("ending")["wall"] < 2.0 + EXIT_SLACK, info
 
 
 def test_shared_deadline_handler_and_exit_code() -> None:
@@ -71,4 +71,4 @@ def test_shared_deadline_handler_and_exit_code() -> None:
     assert handler["op"] == "barrier" and handler["group"] != "default", info
     assert not r0.has("handler_returned"), info
     assert r0.returncode == 3, info
-    assert r0.exited_at - handler["wall"] < 2.0, info
+    assert r0.exited_at - handler["wall"] < 2.0 + EXIT_SLACK, info

@@ -5,7 +5,7 @@ nobody waits on still times out and runs the handler."""
 from __future__ import annotations
 
 import pytest
-from mp import describe, run_ranks
+from mp import EXIT_SLACK, describe, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,7 +52,7 @@ def test_fast_path_makes_no_store_traffic_and_an_unwaited_handle_still_times_out
     assert handler["main"] is False and "all_reduce #" in handler["message"], info
     assert not r0.has("still_alive"), info
     assert r0.returncode == 7, info
-    assert r0.exited_at - r0.record("issued")["wall"] < 3.0, info
+    assert r0.exited_at - r0.record("issued")["wall"] < 3.0 + EXIT_SLACK, info
     assert results[1].returncode == 0, info
 
 

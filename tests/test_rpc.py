@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from mp import describe, run_ranks
+from mp import EXIT_SLACK, describe, run_ranks
 
 
 @pytest.mark.timeout(120)
@@ -49,4 +49,4 @@ def test_rpc_timeouts_are_typed_bounded_and_the_agent_keeps_working() -> None:
     assert r1.record("shutdown")["done"] is False, info
     for r in results:
         assert r.record("shutdown")["seconds"] < 2.0, info
-        assert r.exited_at - r.record("ending")["wall"] < 2.5, info
+        assert r.exited_at - r.record("ending")["wall"] < 2.5 + EXIT_SLACK, info

@@ -8,7 +8,7 @@ the report window plus slack for a loaded 2-core machine."""
 from __future__ import annotations
 
 import pytest
-from mp import describe, run_ranks
+from mp import EXIT_SLACK, describe, run_ranks
 
 pytestmark = pytest.mark.timeout(150)
 STEP = 2.0
@@ -84,7 +84,7 @@ def test_ctrl_c_inside_ddp_backward_and_recv_then_a_prompt_exit() -> None:
     # hands (they wait for a peer that is not coming): 1.1-1.2 s measured here (3.4-3.6 s before;
     # most of what is left is torch's teardown of DDP and two groups), the bound wide for a
     # loaded 2-core machine.
-    assert r0.exited_at - r0.record("ending")["wall"] < 2.5, info
+    assert r0.exited_at - r0.record("ending")["wall"] < 2.5 + EXIT_SLACK, info
 
 
 def test_ctrl_c_on_one_rank_is_told_to_its_peers_at_once() -> None:
