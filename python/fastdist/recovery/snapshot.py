@@ -116,6 +116,19 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+def _local_bytes(state: Mapping[str, Any]) -> int:
+    """The bytes of this rank's part of ``state``'s tensors (a DTensor's local shard), without
+    copying them."""
+    tensor_module = _dtensor_module()
+    total = 0
+    for obj in state.values():
+        for leaf in state_sync._leaves(obj.state_dict(), torch.Tensor):
+            if tensor_module is not None and isinstance(leaf, tensor_module.DTensor):
+                leaf = leaf.to_local()
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
 def _mesh_and_device(state: Mapping[str, Any]) -> tuple[Any, torch.device]:
     """The device mesh and device of the state's DTensors (FSDP2's), for rebuilding them."""
     tensor_module = _dtensor_module()
@@ -188,7 +201,7 @@ class PeerSnapshot:
         self.restored_step: int | None = None
         self.taken = 0
         if self.sharded:
-            own = _nbytes(self._own_copy())
+            own = _local_bytes(self.state)
             local_ranks = max(1, local or 1)
             need = own * (1 + copies) * 2 * local_ranks
             free = _available_bytes()
