@@ -2,8 +2,10 @@
 
 FSDP2 (a 1-D mesh over every rank) on a model of square Linear layers of MEGABYTES in all, SGD
 with momentum. Measured in the same processes, in turn:
-- a block of EVERY steps without a snapshot against a block of EVERY steps ending in one
-  (``snap.step``), ROUNDS pairs;
+- a block of EVERY steps without a snapshot against a block of EVERY steps starting with one
+  (``snap.step``: the own copy there, the exchange on its thread while the block goes on, waited
+  for at the block's end), and a block whose snapshot's exchange runs on the training thread
+  (``snap.take``), ROUNDS of each;
 - a snapshot's exchange (``snap.take``) against raw gloo sends of the same bytes on the same
   pattern (each rank to its holder, from its keeper);
 - rolling back to the snapshot (``snap.load`` of its own copy) against ``dcp.load`` of the same
@@ -66,7 +68,7 @@ def main() -> None:
 
     for _ in range(3):
         one_step()
-    step, plain, with_snap = 0, [], []
+    step, plain, with_snap, in_line = 0, [], [], []
     for _ in range(rounds):
         dist.barrier()
         t0 = time.perf_counter()
@@ -77,10 +79,19 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(every):
             one_step()
+            snap.step(step)  # one snapshot, at the block's first step: its exchange overlaps the rest
             step += 1
-            snap.step(step)  # one snapshot, at the block's last step
+        snap.wait()  # the exchange counted: all of its cost is inside the block
         with_snap.append(time.perf_counter() - t0)
-        assert snap.latest() == step, (snap.latest(), step)
+        assert snap.latest() == step - every, (snap.latest(), step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for k in range(every):
+            one_step()
+            if k == 0:
+                snap.take(step)  # the same snapshot with its exchange on the training thread
+            step += 1
+        in_line.append(time.perf_counter() - t0)
 
     # The exchange against raw gloo sends of the same bytes, on the same pattern.
     own = snap._own_copy()
@@ -92,7 +103,7 @@ def main() -> None:
     for _ in range(rounds):
         dist.barrier()
         t0 = time.perf_counter()
-        snap.take(step)
+        snap.take(step)  # the exchange here, on this thread
         exchange.append(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
@@ -129,6 +140,7 @@ def main() -> None:
                     "every": every,
                     "block_plain_ms": statistics.median(plain) * 1e3,
                     "block_snapshot_ms": statistics.median(with_snap) * 1e3,
+                    "block_inline_ms": statistics.median(in_line) * 1e3,
                     "exchange_ms": statistics.median(exchange) * 1e3,
                     "raw_send_ms": statistics.median(raw) * 1e3,
                     "rollback_ms": statistics.median(roll) * 1e3,

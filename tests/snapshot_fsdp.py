@@ -98,15 +98,15 @@ def main() -> None:
         else:
             exchange = snap._exchange
 
-            def dying_exchange(own: Any, deadline: float) -> Any:
-                if progress.step == args.kill_in_snapshot:
+            def dying_exchange(step: int, own: Any, deadline: float, epoch: int) -> Any:
+                if step == args.kill_in_snapshot:  # on the snapshot's own thread
                     packed = state_sync.Packed(own, torch.device("cpu"))
                     works = [w for h in snap.holders[rank] for w in packed.isend(h, snap.group)]
                     for w in works:
                         w.wait()  # its copy reached its holder; the snapshot has not counted yet
                     open(marker, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
-                return exchange(own, deadline)
+                return exchange(step, own, deadline, epoch)
 
             snap._exchange = dying_exchange  # type: ignore[method-assign]
     train(model, opt, progress, rank, snap, state)

@@ -4,6 +4,8 @@ A thread of torch's or fastdist's that needs the GIL once the interpreter finali
 inside C++, and the process aborts ("terminate called without an active exception"). So before
 Python finalizes, everything that may still call back into it is let finish, in this order:
 
+0. snapshot exchanges in flight (fastdist.PeerSnapshot's thread) count or fail: at most
+   OPS_SECONDS;
 1. the fault listener stops (it would otherwise answer a ring during finalization);
 2. the engine runs the actions already due (a recovery agreement's closer whose deadline came
    with the exit): they hand store work to the closer thread, drained in step 6;
@@ -26,6 +28,7 @@ import time
 from .deadlines import flush_engine
 from .diagnostics import listener
 from .ops import polled, watching, work
+from .recovery import snapshot
 from .store import bounded
 
 # The whole exit's budget; the ops' drain gets at most OPS_SECONDS of it.
@@ -39,6 +42,7 @@ SETTLE_SECONDS = 0.05
 def _at_exit() -> None:
     start = time.monotonic()
     end = start + EXIT_SECONDS
+    snapshot.wait_all(0.0 if watching.interrupted() else OPS_SECONDS)
     if watching.active():
         listener.stop()
     flush_engine(FLUSH_SECONDS)

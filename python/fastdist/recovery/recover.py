@@ -39,7 +39,7 @@ from ..ops import polled
 from ..store import keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded, stuck
 from . import joining, state_sync, wrappers
-from .snapshot import PeerSnapshot, newest_covering
+from .snapshot import PeerSnapshot, halt_all, newest_covering
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,8 @@ def _recover(
 ) -> Any:
     st = pgstate.state_of(pg)
     is_default = dist.is_initialized() and pg is dist.distributed_c10d._get_default_group()
+    if is_default:
+        halt_all()  # a snapshot exchange in flight issues nothing on the groups rebuilt below
     if is_default and lineage["root"] is None:
         lineage.update(
             backend=dist.get_backend(), timeout=None, root=dist.distributed_c10d._get_default_store()
@@ -401,14 +403,15 @@ def _roll_back(
     a joiner, its predecessor's, sent by the lowest live rank that holds it. Then a snapshot of
     that step is taken afresh, so that the joiner holds its neighbours' copies again."""
     me = st.my_global_rank
-    everyone: list[Any] = [None] * st.size
+    gathered: list[Any] = [None] * st.size
     try:
         with fail_at(deadline):
-            dist.all_gather_object(everyone, snapshot.holdings(), group=pg)
+            dist.all_gather_object(gathered, (snapshot.holdings(), snapshot.counted()), group=pg)
     except FastdistError as exc:
         raise fail(f"agreeing on a snapshot failed: {exc}") from None
     live = [r for r in range(st.size) if r not in joiners]
-    target = newest_covering(everyone, joiners)
+    everyone = [held for held, _ in gathered]
+    target = newest_covering(everyone, joiners, {s for r in live for s in gathered[r][1]})
     if target is None:
         lost = ", ".join(f"rank {j} (copies on ranks {snapshot.holders[j]})" for j in joiners)
         raise fail(

@@ -2,10 +2,17 @@
 
 A sharded model (FSDP2) loses a dead rank's shards with its process. A snapshot, taken every
 ``every`` steps at a step boundary, copies each rank's own part of ``state`` into its CPU memory
-and sends it to ``copies`` other ranks (preferring ranks on other hosts), over a group of its own.
-It counts once every rank holds its own copy and its neighbours' (a barrier after the exchange:
-a rank passes it only when every rank has sent and received everything); a snapshot half-taken at
-a fault is discarded and the previous one kept.
+(there, on the training thread: the next step changes the state in place) and sends it to
+``copies`` other ranks (preferring ranks on other hosts) from a thread of its own, over a group of
+its own, while training goes on. It counts once every rank holds its own copy and its neighbours'
+(a barrier after the exchange: a rank passes it only when every rank has sent and received
+everything); a snapshot half-taken at a fault is discarded and the previous one kept. A rank keeps
+its part of an exchange it completed but whose barrier a fault cut short: if the barrier passed on
+another rank (so every rank had completed it), that snapshot is used, else the previous one.
+
+Recovery halts an exchange in flight before it rebuilds the groups (:meth:`PeerSnapshot.halt`):
+each op of the exchange is issued under a lock that checks it was not halted, so nothing of an
+old exchange reaches a rebuilt group; ops already issued end with the old backend.
 
 When a replacement (or a spare) takes a dead rank's place, ``recover(state=, snapshot=)`` on the
 live ranks and ``sync_state(state, snapshot=)`` on the joiner agree on the newest step whose copies
@@ -18,8 +25,10 @@ that is not sharded (DDP) needs no copies: a joiner gets a live rank's state as 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +39,25 @@ from ..deadlines import current_time, fail_at, get_default_timeout
 from . import state_sync
 
 _SHARD = "__fastdist_shard__"
+logger = logging.getLogger("fastdist")
+_live: weakref.WeakSet[PeerSnapshot] = weakref.WeakSet()
+
+
+class _Halted(Exception):
+    pass
+
+
+def halt_all() -> None:
+    """Halts every snapshot exchange in flight (recovery is about to rebuild the groups)."""
+    for snap in list(_live):
+        snap.halt()
+
+
+def wait_all(seconds: float) -> None:
+    """Waits up to ``seconds`` in all for the snapshot exchanges in flight (at exit)."""
+    end = current_time() + seconds
+    for snap in list(_live):
+        snap.wait(max(0.0, end - current_time()))
 
 
 def holders(rank: int, world: int, copies: int, local: int) -> list[int]:
@@ -48,12 +76,19 @@ def holders(rank: int, world: int, copies: int, local: int) -> list[int]:
     return chosen
 
 
-def newest_covering(everyone: list[dict[int, list[int]]], joiners: list[int]) -> int | None:
+def newest_covering(
+    everyone: list[dict[int, list[int]]], joiners: list[int], counted: set[int] | None = None
+) -> int | None:
     """The newest step for which every live rank holds its own copy and, for each joiner, some
     live rank holds the copy of the dead rank it replaces; None if there is none. ``everyone``:
-    each rank's holdings (step -> the ranks whose copies it holds; a joiner holds none)."""
+    each rank's holdings (step -> the ranks whose copies it holds; a joiner holds none).
+    ``counted``: the steps whose snapshot counted on some live rank (its barrier passed: every
+    rank, the dead one too, held all its copies); a step outside it was cut short (None: all
+    count)."""
     live = [r for r in range(len(everyone)) if r not in joiners]
     for s in sorted({s for held in everyone for s in held}, reverse=True):
+        if counted is not None and s not in counted:
+            continue
         if all(r in everyone[r].get(s, ()) for r in live) and all(
             any(j in everyone[r].get(s, ()) for r in live) for j in joiners
         ):
@@ -175,6 +210,10 @@ class PeerSnapshot:
     snapshot that would not fit in the host's available memory (every local rank's share) is
     refused here (MemoryError). State without DTensors (DDP) is held whole on every rank: no copy
     is taken and a joiner gets a live rank's state.
+
+    :meth:`step` copies this rank's part in place and sends the copies from a thread of its own
+    while the next steps run (:meth:`wait` waits for it; the next snapshot and the exit do too);
+    a failed exchange is logged and kept in ``error``, and the previous snapshot still counts.
     """
 
     def __init__(self, state: Any, *, every: int, copies: int = 1, timeout: float | None = None) -> None:
@@ -198,8 +237,12 @@ class PeerSnapshot:
         self._lock = threading.Lock()
         # step -> {rank: that rank's state dicts}: the committed snapshot (at most one kept).
         self._held: dict[int, dict[int, dict[str, Any]]] = {}
+        self._pending: tuple[int, dict[int, dict[str, Any]]] | None = None  # complete, not yet counted
+        self._epoch = 0  # bumped by halt(): an exchange of an older epoch issues nothing more
+        self._thread: threading.Thread | None = None
         self.restored_step: int | None = None
         self.taken = 0
+        self.error: BaseException | None = None  # why the last exchange failed, if it did
         if self.sharded:
             own = _local_bytes(self.state)
             local_ranks = max(1, local or 1)
@@ -214,6 +257,7 @@ class PeerSnapshot:
                 )
         # The exchange's own group, made where every process makes it (a replacement too).
         self.group = dist.new_group(backend="gloo")
+        _live.add(self)
 
     def _own_copy(self) -> dict[str, Any]:
         return {k: _copy_leaf(v.state_dict()) for k, v in self.state.items()}
@@ -230,49 +274,136 @@ class PeerSnapshot:
 
     def step(self, step: int) -> bool:
         """At a step boundary (every rank, the same ``step``): every ``every``-th step, a snapshot
-        of ``state`` as it is now. Returns whether one was taken."""
+        of ``state`` as it is now. The own copy is taken here (a copy in memory); the exchange with
+        the neighbours runs on a thread of its own while training goes on, and the snapshot counts
+        once every rank holds every copy. Returns whether one was started."""
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, got {type(step).__name__}: {step!r}")
         if step % self.every or not self.sharded:
             return False
-        self.take(step)
+        self.take(step, background=True)
         return True
 
-    def take(self, step: int) -> None:
+    def take(self, step: int, *, background: bool = False) -> None:
         """A snapshot of ``state`` as of ``step`` now: the own copy, the exchange with the
-        neighbours, then the barrier that makes it count. On a fault it is discarded (the previous
-        one stays) and the error raised."""
+        neighbours, then the barrier that makes it count. ``background``: the exchange on a
+        thread (see :meth:`wait`); else here, and a fault raises (the previous snapshot stays)."""
+        self.wait()  # the previous exchange, if it is still running
         own = self._own_copy()
-        got = self._exchange(own, current_time() + self.timeout)
-        got[self.rank] = own
+        deadline = current_time() + self.timeout
         with self._lock:
-            self._held = {step: got}
-        self.taken += 1
+            epoch = self._epoch
+            self._pending = None
+        if not background:
+            self._exchange(step, own, deadline, epoch)
+            return
+        thread = threading.Thread(
+            target=self._exchange_logged,
+            args=(step, own, deadline, epoch),
+            name=f"fastdist-snapshot-{step}",
+            daemon=True,
+        )
+        with self._lock:
+            self._thread = thread
+        thread.start()
 
-    def _exchange(self, own: dict[str, Any], deadline: float) -> dict[int, dict[str, Any]]:
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for the snapshot exchange in flight (if any) to count or fail; returns whether
+        none is left in flight. Bounded by the exchange's own deadline (``timeout`` shorter)."""
+        with self._lock:
+            thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        if thread.is_alive():
+            return False
+        with self._lock:
+            if self._thread is thread:
+                self._thread = None
+        return True
+
+    def halt(self) -> None:
+        """Stops the exchange in flight from issuing anything more and from counting (recovery
+        rebuilds the groups under it): what it received stays a candidate if complete."""
+        with self._lock:
+            self._epoch += 1
+            self._thread = None
+
+    def _post(self, epoch: int) -> Any:
+        """Issues an op of the exchange of ``epoch``, unless the exchange was halted: the check
+        and the issue under one lock, so nothing reaches a group rebuilt after :meth:`halt`."""
+
+        def post(issue: Any) -> Any:
+            with self._lock:
+                if epoch != self._epoch:
+                    raise _Halted("the snapshot's exchange was halted by a recovery")
+                return issue()
+
+        return post
+
+    def _exchange_logged(self, step: int, own: dict[str, Any], deadline: float, epoch: int) -> None:
+        try:
+            self._exchange(step, own, deadline, epoch)
+        except _Halted:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the job goes on; the previous snapshot counts
+            self.error = exc
+            logger.warning(
+                "rank %d: the snapshot of step %d was not taken (%s: %s); the snapshot of step %s "
+                "still counts",
+                self.rank,
+                step,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+                self.latest(),
+            )
+
+    def _exchange(self, step: int, own: dict[str, Any], deadline: float, epoch: int) -> None:
+        post = self._post(epoch)
         packed = state_sync.Packed(own, torch.device("cpu"))
-        got: dict[int, dict[str, Any]] = {}
+        got: dict[int, dict[str, Any]] = {self.rank: own}
         with fail_at(deadline):
-            works = [w for h in self.holders[self.rank] for w in packed.isend(h, self.group)]
+            works = [w for h in self.holders[self.rank] for w in packed.isend(h, self.group, post)]
             for r in self.keeps:
-                received = state_sync.receive(r, self.group, deadline)
+                received = state_sync.receive(r, self.group, deadline, post=post)
                 assert received is not None
                 got[r] = received
             for w in works:
                 w.wait()
-            dist.barrier(group=self.group)  # every rank holds its own and its neighbours' copies
-        return got
+            with self._lock:  # complete here: a candidate for a roll-back before it counts
+                if epoch == self._epoch:
+                    self._pending = (step, got)
+            post(lambda: dist.barrier(group=self.group, async_op=True)).wait()  # every rank holds all
+        with self._lock:
+            if epoch == self._epoch:
+                self._held = {step: got}
+                self._pending = None
+                self.taken += 1
+                self.error = None
 
     # -- recovery ---------------------------------------------------------------------------
 
+    def _all(self) -> dict[int, dict[int, dict[str, Any]]]:
+        held = dict(self._held)
+        if self._pending is not None:
+            held.setdefault(self._pending[0], self._pending[1])
+        return held
+
     def holdings(self) -> dict[int, list[int]]:
-        """step -> the ranks whose copies this rank holds for it."""
+        """step -> the ranks whose copies this rank holds for it (the snapshot that counts, and
+        one whose exchange this rank completed but that has not counted here yet: if it counted on
+        another rank, every rank completed it, and a roll-back may use it)."""
         with self._lock:
-            return {s: sorted(held) for s, held in self._held.items()}
+            return {s: sorted(held) for s, held in self._all().items()}
+
+    def counted(self) -> list[int]:
+        """The steps whose snapshot counted on this rank (its barrier passed)."""
+        with self._lock:
+            return sorted(self._held)
 
     def copy_of(self, step: int, rank: int) -> dict[str, Any]:
         with self._lock:
-            return self._held[step][rank]
+            return self._all()[step][rank]
 
     def load(self, dicts: Mapping[str, Any]) -> None:
         """Loads a snapshot's state dicts (this rank's own, or its predecessor's) into ``state``."""
@@ -281,5 +412,7 @@ class PeerSnapshot:
             obj.load_state_dict(_rebuilt(dicts[key], mesh, device))
 
     def forget(self) -> None:
+        self.halt()
         with self._lock:
             self._held = {}
+            self._pending = None

@@ -14,7 +14,7 @@ import collections
 import io
 import pickle
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -180,6 +180,10 @@ def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
+def _now(issue: Callable[[], Any]) -> Any:
+    return issue()
+
+
 def _device_of(group: Any) -> torch.device:
     return (
         torch.device("cuda", torch.cuda.current_device())
@@ -210,9 +214,10 @@ class Packed:
         for t in (self.size, self.meta, *self.wire):
             dist.send(t, dst, group=group)
 
-    def isend(self, dst: int, group: Any) -> list[Any]:
-        """The same as :meth:`send`, each piece posted at once: the works to wait on."""
-        return [dist.isend(t, dst, group=group) for t in (self.size, self.meta, *self.wire)]
+    def isend(self, dst: int, group: Any, post: Callable[[Any], Any] = _now) -> list[Any]:
+        """The same as :meth:`send`, each piece posted at once: the works to wait on. ``post``
+        issues each (a gate may refuse it)."""
+        return [post(lambda t=t: dist.isend(t, dst, group=group)) for t in (self.size, self.meta, *self.wire)]
 
 
 def send(state: Mapping[str, Any] | None, joiners: list[int], group: Any, deadline: float) -> int:
@@ -233,16 +238,25 @@ def send_dicts(dicts: Mapping[str, Any] | None, joiners: list[int], group: Any, 
 
 
 def receive(
-    source: int, group: Any, deadline: float, into: Mapping[str, Any] | None = None
+    source: int,
+    group: Any,
+    deadline: float,
+    into: Mapping[str, Any] | None = None,
+    post: Callable[[Any], Any] = _now,
 ) -> dict[str, Any] | None:
     """The state dicts sent by ``source`` (None: the sender had no state to give). Large tensors
-    land in ``into``'s own (a dict of Statefuls) where they match, else in new ones."""
+    land in ``into``'s own (a dict of Statefuls) where they match, else in new ones. ``post``
+    issues each receive (a gate may refuse it)."""
     device = _device_of(group)
+
+    def recv(t: torch.Tensor) -> None:
+        post(lambda: dist.irecv(t, source, group=group)).wait()
+
     with fail_at(deadline):
         size = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.recv(size, source, group=group)
+        recv(size)
         meta = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        dist.recv(meta, source, group=group)
+        recv(meta)
         skeleton, total = pickle.load(io.BytesIO(meta.cpu().numpy().tobytes()))
         slots = [s for s in _leaves(skeleton, _Slot) if s.direct >= 0]
         own: dict[int, torch.Tensor] = {}
@@ -256,7 +270,7 @@ def receive(
         buf = torch.empty(total, dtype=torch.uint8, device=device)
         for t in (buf, *(direct[s.direct] for s in sorted(slots, key=lambda s: s.direct))):
             for chunk in _chunks(t):
-                dist.recv(chunk, source, group=group)
+                recv(chunk)
     if skeleton is None:
         return None
     return {k: _unpack(v, buf, direct) for k, v in skeleton.items()}
