@@ -58,6 +58,7 @@ from .groups.registry import history
 from .metrics import serve_metrics
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .process_group import get_rank, get_world_size, init_process_group
+from .recovery.checkpoint import load_checkpoint, save_checkpoint
 from .recovery.recover import recover, sync_state
 from .recovery.snapshot import PeerSnapshot
 from .steps import run_step
@@ -107,12 +108,14 @@ __all__ = [
     "irecv",
     "is_dead",
     "isend",
+    "load_checkpoint",
     "recover",
     "recv",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "run_step",
+    "save_checkpoint",
     "scatter",
     "scatter_object_list",
     "send",
