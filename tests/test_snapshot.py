@@ -3,9 +3,11 @@
 steps, 12 steps): rank 1 SIGKILLed mid-step at step 7, and rank 1 SIGKILLed during the snapshot
 of step 8; the spare takes its place with its shards from rank 2's copy, every rank rolls back to
 the snapshot of step 6, and the full parameters and momentum at step 12 equal (within 1e-6) an
-undisturbed run in the same processes. In process: which ranks hold whose copies, the choice of
-the snapshot to roll back to (two adjacent ranks dead with one copy each: none), and the checks at
-the API's edge, the memory refusal included."""
+undisturbed run in the same processes. Two adjacent ranks killed at once (two spares): with one
+copy each, RecoveryError naming both, then a restart from the DCP checkpoint on disk
+(fastdist.load_checkpoint); with two copies each, the job goes on. The same script under DDP:
+no copies, no roll-back. In process: which ranks hold whose copies, the choice of the snapshot to
+roll back to, and the checks at the API's edge, the memory refusal included."""
 
 from __future__ import annotations
 
@@ -31,7 +33,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(out: Path, *flags: str) -> str:
+def _run(
+    out: Path, *flags: str, nproc: int = 4, spares: int = 1, replacements: int = 1, ok: bool = True
+) -> str:
+    """A job of tests/snapshot_fsdp.py under ``fastdist run`` (world ``nproc - spares``); its
+    log. ``ok``: whether it must succeed, else fail."""
     out.mkdir()
     cmd = [
         sys.executable,
@@ -42,7 +48,7 @@ def _run(out: Path, *flags: str) -> str:
         "--master-port",
         str(_free_port()),
     ]
-    cmd += ["--nproc-per-node", "4", "--spares", "1", "--max-replacements", "1"]
+    cmd += ["--nproc-per-node", str(nproc), "--spares", str(spares), "--max-replacements", str(replacements)]
     cmd += [str(ROOT / "tests" / "snapshot_fsdp.py"), str(out), *flags]
     proc = subprocess.Popen(
         cmd,
@@ -53,7 +59,7 @@ def _run(out: Path, *flags: str) -> str:
         start_new_session=True,
     )
     try:
-        text, _ = proc.communicate(timeout=120)
+        text, _ = proc.communicate(timeout=150)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the agent's workers share its session
@@ -61,8 +67,20 @@ def _run(out: Path, *flags: str) -> str:
             pass
         proc.wait()
     log = text.decode(errors="replace")
-    assert proc.returncode == 0, log[-6000:]
+    assert (proc.returncode == 0) == ok, log[-6000:]
     return log
+
+
+def _check_equal(out: Path, restored: int | None, joined: list[int]) -> None:
+    """Every rank ended at step 12, rolled back to ``restored``, with the parameters and momentum
+    of an undisturbed run (rank 0's, and its own); ``joined``: the ranks now held by joiners."""
+    ref = torch.load(out / "rank0.pt", weights_only=False)
+    for rank in range(3):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=False)
+        assert got["restored"] == restored and got["step"] == 12, (rank, got["restored"], got["step"])
+        assert got["joined"] == (rank in joined), rank
+        assert _difference(got["disturbed"], got["undisturbed"]) <= 1e-6, rank
+        assert _difference(ref["undisturbed"], got["disturbed"]) <= 1e-6, rank
 
 
 def _difference(a: Any, b: Any) -> float:
@@ -86,14 +104,63 @@ def test_fsdp2_dead_rank_is_replaced_from_a_peers_copy_and_the_job_rolls_back(
     assert "rank 1: joined at step 6" in log, log[-4000:]
     # Refused at PeerSnapshot(...) when the host's memory (made to look small) cannot hold it.
     assert "rank 0: refused: PeerSnapshot needs about" in log and "MiB is available" in log, log[-4000:]
-    ref = torch.load(out / "rank0.pt", weights_only=False)
+    _check_equal(out, 6, [1])
     for rank in range(3):
         got = torch.load(out / f"rank{rank}.pt", weights_only=False)
-        assert got["restored"] == 6 and got["step"] == 12, rank
-        assert got["joined"] == (rank == 1), rank  # the spare is rank 1 now
         assert got["bytes_held"] > 0, rank  # its own copy and its neighbour's, taken again after
-        assert _difference(got["disturbed"], got["undisturbed"]) <= 1e-6, rank
-        assert _difference(ref["undisturbed"], got["disturbed"]) <= 1e-6, rank
+
+
+@pytest.mark.timeout(400)
+def test_two_adjacent_deaths_need_two_copies_else_the_checkpoint_on_disk(tmp_path: Path) -> None:
+    """Ranks 1 and 2 of 3 SIGKILLed in the same step, two spares. With one copy each (rank 1's on
+    rank 2): RecoveryError on every rank naming both and whose copy died; the job ends, and a
+    restart from the DCP checkpoint saved every 4 steps (fastdist.load_checkpoint) trains on to
+    the undisturbed run's model. With two copies each (rank 0 holds both): the job goes on."""
+    ckpt = tmp_path / "ckpt"
+    both = ["--kill-ranks", "1,2", "--kill-step", "7"]
+    log = _run(
+        tmp_path / "one",
+        *both,
+        "--copies",
+        "1",
+        "--checkpoint",
+        str(ckpt),
+        "--checkpoint-every",
+        "4",
+        nproc=5,
+        spares=2,
+        replacements=0,
+        ok=False,
+    )
+    # (each rank raises it; the first to exit ends the job, so another's may go unsaid)
+    assert "RecoveryError: recovering group 'default' (generation 1) failed on rank" in log, log[-6000:]
+    assert "ranks 1, 2 died and no snapshot that counted holds all their shards (copies=1)" in log, log[
+        -6000:
+    ]
+    assert "rank 1's copies were on rank(s) 2, dead too" in log, log[-6000:]
+    assert "fastdist.load_checkpoint" in log, log[-6000:]
+    log = _run(tmp_path / "restart", "--kill-ranks", "", "--resume", "--checkpoint", str(ckpt))
+    for r in range(3):
+        assert f"rank {r}: resumed from the checkpoint of step 4" in log, log[-6000:]
+    _check_equal(tmp_path / "restart", None, [])
+    log = _run(tmp_path / "two", *both, "--copies", "2", nproc=5, spares=2)
+    for r in (1, 2):
+        assert f"rank {r}: joined at step 6" in log, log[-4000:]
+    _check_equal(tmp_path / "two", 6, [1, 2])
+
+
+@pytest.mark.timeout(150)
+def test_ddp_the_same_script_needs_no_copies(tmp_path: Path) -> None:
+    """The same script under DDP: PeerSnapshot takes no copies (every rank holds the whole
+    state), the spare gets a live rank's state, nothing rolls back, and the model equals the
+    undisturbed run's."""
+    out = tmp_path / "out"
+    log = _run(out, "--ddp", "--kill-step", "7")
+    assert "rank 1 goes to a waiting spare" in log, log[-4000:]
+    assert "rank 1: joined at step 7" in log, log[-4000:]
+    _check_equal(out, None, [1])
+    for rank in range(3):
+        assert torch.load(out / f"rank{rank}.pt", weights_only=False)["bytes_held"] == 0, rank
 
 
 def test_who_holds_whose_copies_and_which_snapshot_counts() -> None:
@@ -133,3 +200,11 @@ def test_peer_snapshot_checks_its_arguments() -> None:
         fastdist.PeerSnapshot({}, every=2)
     with pytest.raises(TypeError, match="snapshot"):
         fastdist.recover(state={}, snapshot=object())
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="path"):
+        fastdist.load_checkpoint({"model": model}, 7)  # type: ignore[arg-type]
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        fastdist.load_checkpoint({"model": model}, "/nonexistent/ckpt")
+    with pytest.raises(ValueError, match="exactly one model"):
+        fastdist.save_checkpoint({"a": model, "b": torch.nn.Linear(2, 2), "opt": opt}, "/tmp/unused")

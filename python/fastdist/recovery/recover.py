@@ -413,12 +413,7 @@ def _roll_back(
     everyone = [held for held, _ in gathered]
     target = newest_covering(everyone, joiners, {s for r in live for s in gathered[r][1]})
     if target is None:
-        lost = ", ".join(f"rank {j} (copies on ranks {snapshot.holders[j]})" for j in joiners)
-        raise fail(
-            f"no live rank holds a complete snapshot of the shards of {lost}: the rank and the holders "
-            f"of its copies are gone (copies={snapshot.copies}), or no snapshot was taken yet. Restart the "
-            "job from a torch.distributed.checkpoint checkpoint"
-        )
+        raise fail(_no_snapshot(snapshot, joiners, gathered))
     try:
         received = None
         for j in joiners:
@@ -438,6 +433,27 @@ def _roll_back(
     except FastdistError as exc:
         raise fail(f"rolling back to the snapshot of step {target} failed: {exc}") from None
     logger.info("rank %d: rolled back to the snapshot of step %d (generation %d)", me, target, gen)
+
+
+def _no_snapshot(snapshot: PeerSnapshot, joiners: list[int], gathered: list[Any]) -> str:
+    """Why no snapshot covers the dead ranks ``joiners``: whose copies died with them."""
+    dead = ("ranks " if len(joiners) > 1 else "rank ") + ", ".join(str(j) for j in joiners)
+    why = []
+    for j in joiners:
+        kept = snapshot.holders[j]
+        gone = [h for h in kept if h in joiners]
+        where = ", ".join(str(h) for h in kept)
+        if len(gone) == len(kept):
+            why.append(f"rank {j}'s copies were on rank(s) {where}, dead too")
+        else:
+            why.append(f"rank {j}'s copies were on rank(s) {where}")
+    if not any(held for held, _ in gathered):
+        why.append("no snapshot was taken yet")
+    return (
+        f"{dead} died and no snapshot that counted holds all their shards (copies="
+        f"{snapshot.copies}): {'; '.join(why)}. Restart the job from a checkpoint "
+        "(fastdist.load_checkpoint)"
+    )
 
 
 def _agree(
