@@ -22,17 +22,17 @@ out = sys.argv[sys.argv.index("--out") + 1]
 
 if fault == "joiner-mid-transfer":
     marker = os.path.join(out, ".joiner-killed")
-    original_recv = dist.recv
+    original_irecv = dist.irecv  # (fastdist's state transfer posts each receive, then waits)
     calls = [0]
 
-    def recv(*args: object, **kwargs: object) -> object:
+    def irecv(*args: object, **kwargs: object) -> object:
         calls[0] += 1
         if calls[0] == 3 and not os.path.exists(marker):  # 1: size, 2: header, 3: the tensors
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
-        return original_recv(*args, **kwargs)  # type: ignore[arg-type]
+        return original_irecv(*args, **kwargs)  # type: ignore[arg-type]
 
-    dist.recv = recv  # type: ignore[assignment]
+    dist.irecv = irecv  # type: ignore[assignment]
 
 if fault == "spare-dies-waiting":
     spares = int(os.environ.get("FASTDIST_SPARES", "0"))

@@ -8,6 +8,8 @@ holds, every rank rolls back to the last snapshot and trains on. Then every proc
 same model again, undisturbed, and saves both runs' full parameters and momentum to
 ``OUT/rank{R}.pt``. ``--copies`` is PeerSnapshot's; ``--ddp`` trains the same model under DDP
 with the same script (nothing to copy: a joiner gets a live rank's state, no roll-back).
+``--hsdp`` shards over a 2 x N mesh (replicate x shard): a joiner gets its predecessor's shards from
+its replica, nothing is copied and nothing rolls back.
 ``--checkpoint DIR --checkpoint-every M`` saves a DCP checkpoint every M steps; ``--resume`` loads
 it first (a restart, when memory held no copy).
 """
@@ -88,13 +90,18 @@ def main() -> None:
     p.add_argument("--kill-ranks", default="1", help="the ranks killed, comma-separated")
     p.add_argument("--copies", type=int, default=1)
     p.add_argument("--ddp", action="store_true", help="DDP instead of FSDP2: nothing to copy")
+    p.add_argument("--hsdp", action="store_true", help="a 2 x N mesh, replicate x shard: no copy either")
     p.add_argument("--checkpoint", default="", help="a DCP checkpoint's directory")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save it every N steps")
     p.add_argument("--resume", action="store_true", help="load it first (a restart)")
     args = p.parse_args()
     fastdist.init_process_group("gloo")  # a spare returns once it holds a dead rank's slot
     rank = fastdist.get_rank()
-    mesh = init_device_mesh("cpu", (fastdist.get_world_size(),))
+    world = fastdist.get_world_size()
+    if args.hsdp:  # HSDP: rank r's shards are also on its replica, rank (r + world / 2) % world
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     model, opt = build(mesh, args.ddp)
     progress = Progress()
     state = {"model": model, "optim": opt, "progress": progress}

@@ -71,11 +71,11 @@ def _run(
     return log
 
 
-def _check_equal(out: Path, restored: int | None, joined: list[int]) -> None:
+def _check_equal(out: Path, restored: int | None, joined: list[int], world: int = 3) -> None:
     """Every rank ended at step 12, rolled back to ``restored``, with the parameters and momentum
     of an undisturbed run (rank 0's, and its own); ``joined``: the ranks now held by joiners."""
     ref = torch.load(out / "rank0.pt", weights_only=False)
-    for rank in range(3):
+    for rank in range(world):
         got = torch.load(out / f"rank{rank}.pt", weights_only=False)
         assert got["restored"] == restored and got["step"] == 12, (rank, got["restored"], got["step"])
         assert got["joined"] == (rank in joined), rank
@@ -147,6 +147,21 @@ def test_two_adjacent_deaths_need_two_copies_else_the_checkpoint_on_disk(tmp_pat
     for r in (1, 2):
         assert f"rank {r}: joined at step 6" in log, log[-4000:]
     _check_equal(tmp_path / "two", 6, [1, 2])
+
+
+@pytest.mark.timeout(150)
+def test_hsdp_dead_rank_gets_its_shards_from_its_replica(tmp_path: Path) -> None:
+    """HSDP on a 2 x 2 mesh (replicate x shard), world 4 and a spare: PeerSnapshot sees from the
+    DTensors' placements that every shard is on two ranks and takes no copies; rank 1 SIGKILLed
+    at step 7 is replaced by the spare, which gets rank 1's shards as they are from its replica
+    (rank 3); nothing rolls back, and the model equals the undisturbed run's."""
+    out = tmp_path / "out"
+    log = _run(out, "--hsdp", "--kill-step", "7", nproc=5, spares=1)
+    assert "rank 1 goes to a waiting spare" in log, log[-4000:]
+    assert "rank 1: joined at step 7 (snapshot of step None)" in log, log[-4000:]
+    _check_equal(out, None, [1], world=4)
+    for rank in range(4):
+        assert torch.load(out / f"rank{rank}.pt", weights_only=False)["bytes_held"] == 0, rank
 
 
 @pytest.mark.timeout(150)

@@ -39,7 +39,7 @@ from ..ops import polled
 from ..store import keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded, stuck
 from . import joining, state_sync, wrappers
-from .snapshot import PeerSnapshot, halt_all, newest_covering
+from .snapshot import PeerSnapshot, halt_all, load_into, newest_covering, own_copy, replicas
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +337,8 @@ def _hand_over(
     snapshot: PeerSnapshot | None = None,
 ) -> None:
     """A live rank's ``state`` to the ranks that joined; on a joiner, loaded into its ``state``.
-    Sharded state with a snapshot: every rank rolls back to the snapshot instead."""
+    Sharded state replicated along a mesh dimension (HSDP): each joiner gets its shards from a
+    replica. Sharded state with a snapshot: every rank rolls back to the snapshot instead."""
     me = st.my_global_rank
     names = ", ".join(f"rank {r}" for r in joiners)
 
@@ -345,6 +346,10 @@ def _hand_over(
         return RecoveryError(group=st.name, rank=me, generation=gen, reason=reason, missing_ranks=None)
 
     sharded = state_sync.sharded_entries(state) if state is not None else []
+    held_twice = replicas(state) if sharded and state is not None else None
+    if held_twice is not None and state is not None:
+        _from_replicas(pg, st, gen, state, held_twice, joiners, deadline, fail)
+        return
     if sharded and snapshot is not None:
         _roll_back(pg, st, gen, snapshot, joiners, deadline, fail)
         return
@@ -388,6 +393,50 @@ def _hand_over(
     for key, obj in state.items():
         obj.load_state_dict(received[key])
     logger.info("rank %d: loaded the state of rank %d (generation %d)", me, source, gen)
+
+
+def _from_replicas(
+    pg: Any,
+    st: pgstate.GroupState,
+    gen: int,
+    state: dict[str, Any],
+    held_twice: dict[int, list[int]],
+    joiners: list[int],
+    deadline: float,
+    fail: Any,
+) -> None:
+    """Each joiner receives its predecessor's shards, as they are now, from the lowest live rank
+    that holds the same ones (its replica along HSDP's replicate dimension): nothing rolls back."""
+    me = st.my_global_rank
+    sources: dict[int, int] = {}
+    for j in joiners:
+        alive = [r for r in held_twice.get(j, []) if r not in joiners]
+        if not alive:
+            raise fail(
+                f"rank {j} died with every rank that holds the same shards (its replicas: ranks "
+                f"{', '.join(map(str, held_twice.get(j, [])))}): no live rank holds them. Restart the job "
+                "from a checkpoint (fastdist.load_checkpoint)"
+            )
+        sources[j] = min(alive)
+    try:
+        received = None
+        for j in joiners:
+            if me == sources[j]:
+                state_sync.send_dicts(own_copy(state), [j], pg, deadline)
+            elif me == j:
+                received = state_sync.receive(sources[j], pg, deadline)
+        if me in joiners:
+            if received is None:
+                raise fail(f"the shards of rank {me} did not arrive from rank {sources[me]}")
+            load_into(state, received)
+        with fail_at(deadline):
+            dist.barrier(group=pg)
+    except FastdistError as exc:
+        raise fail(f"handing the replicas' shards to {', '.join(map(str, joiners))} failed: {exc}") from None
+    if me in joiners:
+        logger.info(
+            "rank %d: loaded its shards from its replica, rank %d (generation %d)", me, sources[me], gen
+        )
 
 
 def _roll_back(

@@ -25,6 +25,7 @@ that is not sharded (DDP) needs no copies: a joiner gets a live rank's state as 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import threading
@@ -175,6 +176,56 @@ def _mesh_and_device(state: Mapping[str, Any]) -> tuple[Any, torch.device]:
     return None, torch.device("cpu")
 
 
+def own_copy(state: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's part of ``state``'s state dicts, copied to the CPU (DTensors as local shards)."""
+    return {k: _copy_leaf(v.state_dict()) for k, v in state.items()}
+
+
+def load_into(state: Mapping[str, Any], dicts: Mapping[str, Any]) -> None:
+    """Loads copies made by :func:`own_copy` (this rank's, or another's of the same shards) into
+    ``state``, DTensors rebuilt on the state's own mesh."""
+    mesh, device = _mesh_and_device(state)
+    for key, obj in state.items():
+        obj.load_state_dict(_rebuilt(dicts[key], mesh, device))
+
+
+def replicas(state: Mapping[str, Any]) -> dict[int, list[int]] | None:
+    """Global rank -> the other ranks that hold the same shards of every DTensor in ``state``,
+    when each is replicated along some mesh dimension (HSDP: ``Replicate()`` on the replicate
+    dimension, ``Shard`` on the other); None when some DTensor's shard is held by one rank only
+    (FSDP2 on a 1-D mesh), the DTensors are on different meshes, or there are none.
+
+    Read from the DTensors themselves: their placements say along which mesh dimensions they
+    are replicated, and their mesh which ranks sit along those dimensions."""
+    tensor_module = _dtensor_module()
+    if tensor_module is None:
+        return None
+    grid: torch.Tensor | None = None
+    along: set[int] | None = None
+    for obj in state.values():
+        for leaf in state_sync._leaves(obj.state_dict(), tensor_module.DTensor):
+            ranks = leaf.device_mesh.mesh
+            if grid is None:
+                grid = ranks
+            elif grid.shape != ranks.shape or not torch.equal(grid, ranks):
+                return None
+            dims = {i for i, p in enumerate(leaf.placements) if p.is_replicate() and ranks.size(i) > 1}
+            along = dims if along is None else along & dims
+            if not along:
+                return None
+    if grid is None or not along:
+        return None
+    out: dict[int, list[int]] = {}
+    coords = list(itertools.product(*(range(n) for n in grid.shape)))
+    for here in coords:
+        out[int(grid[here])] = sorted(
+            int(grid[there])
+            for there in coords
+            if there != here and all(a == b for i, (a, b) in enumerate(zip(here, there)) if i not in along)
+        )
+    return out
+
+
 def _available_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -208,8 +259,9 @@ class PeerSnapshot:
     together cannot be recovered from memory (RecoveryError; load a checkpoint instead). Memory:
     each rank holds its own part and ``copies`` others', twice while a snapshot is taken; a
     snapshot that would not fit in the host's available memory (every local rank's share) is
-    refused here (MemoryError). State without DTensors (DDP) is held whole on every rank: no copy
-    is taken and a joiner gets a live rank's state.
+    refused here (MemoryError). State without DTensors (DDP) is held whole on every rank, and
+    HSDP's (every DTensor replicated along a mesh dimension) on each replica: no copy is taken,
+    and a joiner gets a live rank's state, or its replica's shards.
 
     :meth:`step` copies this rank's part in place and sends the copies from a thread of its own
     while the next steps run (:meth:`wait` waits for it; the next snapshot and the exit do too);
@@ -233,7 +285,9 @@ class PeerSnapshot:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         self.holders = {r: holders(r, world, copies, local) for r in range(world)}
         self.keeps = [r for r in range(world) if self.rank in self.holders[r]]  # whose copies I hold
-        self.sharded = bool(state_sync.sharded_entries(self.state))
+        # HSDP: every shard is also on a replica, which hands it to a joiner (no copy is needed).
+        self.replicas = replicas(self.state)
+        self.sharded = bool(state_sync.sharded_entries(self.state)) and self.replicas is None
         self._lock = threading.Lock()
         # step -> {rank: that rank's state dicts}: the committed snapshot (at most one kept).
         self._held: dict[int, dict[int, dict[str, Any]]] = {}
@@ -260,7 +314,7 @@ class PeerSnapshot:
         _live.add(self)
 
     def _own_copy(self) -> dict[str, Any]:
-        return {k: _copy_leaf(v.state_dict()) for k, v in self.state.items()}
+        return own_copy(self.state)
 
     def bytes_held(self) -> int:
         """Bytes of state this rank holds for snapshots (its own copy and its neighbours')."""
@@ -407,9 +461,7 @@ class PeerSnapshot:
 
     def load(self, dicts: Mapping[str, Any]) -> None:
         """Loads a snapshot's state dicts (this rank's own, or its predecessor's) into ``state``."""
-        mesh, device = _mesh_and_device(self.state)
-        for key, obj in self.state.items():
-            obj.load_state_dict(_rebuilt(dicts[key], mesh, device))
+        load_into(self.state, dicts)
 
     def forget(self) -> None:
         self.halt()
