@@ -12,40 +12,23 @@ throughput against a raw gloo broadcast of the same tensors (goal >= 0.8).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import SMOKE
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from mp import free_port, run_processes, run_session
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(600)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(cmd: list[str], timeout: float = 180.0) -> str:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", LOGLEVEL="ERROR")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    code, text = run_session(cmd, timeout, env={"LOGLEVEL": "ERROR"})
+    assert code == 0, f"exit {code}\n{text[-4000:]}"
     return text
 
 
@@ -63,7 +46,7 @@ def _job(tmp: Path, mode: str, world: int, steps: int, kill: int) -> dict[str, f
         launcher = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]
         script += ["--checkpoint-dir", str(out / "checkpoint")]
     _run(
-        [*launcher, *flags, "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+        [*launcher, *flags, "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         + ["-m", "fastdist.examples.train_ddp", *script, "--kill-rank", "1", "--kill-step", str(kill)]
     )
     recs = [json.loads(line) for line in events.read_text().splitlines()]
@@ -115,25 +98,14 @@ def test_state_hand_over_throughput(benchmark, tmp_path: Path) -> None:
     against dist.broadcast of the same tensors, interleaved, median of the rounds."""
     megabytes = 8 if SMOKE else 1024
     rounds = 1 if SMOKE else 3
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "transfer.json"
     peer = ROOT / "bench" / "transfer_peer.py"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(peer), str(r), str(port), str(megabytes), str(rounds), str(out)],
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            start_new_session=True,
-        )
+    cmds = [
+        [sys.executable, str(peer), str(r), str(port), str(megabytes), str(rounds), str(out)]
         for r in range(2)
     ]
-    try:
-        for p in procs:
-            assert p.wait(timeout=400) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    assert run_processes(cmds, timeout=400) == [0, 0]
     res = json.loads(out.read_text())
     ratio = res["fastdist_gbps"] / res["broadcast_gbps"]
     print(

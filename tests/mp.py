@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,82 @@ RECORD_PREFIX = "@@fastdist@@ "
 # pytest workers (measured: 2.9 s for a process whose shutdown itself took 1.5 s). The bounds
 # still tell an exit that hangs (a dead group blocking it: tens of seconds) from one that does not.
 EXIT_SLACK = 2.5
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_session(
+    cmd: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path = HERE.parent,
+    unset: tuple[str, ...] = (),
+) -> tuple[int | None, str]:
+    """Runs ``cmd`` (a launcher: fastdist run, torchrun, Lightning's) in a session of its own,
+    its output in a file; at the end, whatever happened, every process of the session (the
+    launcher's workers too) is SIGKILLed by its process group. Returns the exit code (None: it
+    ran past ``timeout``) and the output. ``env``: added to this process's, less ``unset``."""
+    child_env = {k: v for k, v in os.environ.items() if k not in unset}
+    child_env.update(PYTHONUNBUFFERED="1", **(env or {}))
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            cwd=str(cwd),
+            start_new_session=True,
+        )
+        code: int | None = None
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        return code, out.read().decode(errors="replace")
+
+
+def run_processes(cmds: list[list[str]], timeout: float) -> list[int | None]:
+    """Starts every command of ``cmds`` at once (the ranks of a hand-launched job), each in a
+    session of its own, output inherited; waits up to ``timeout`` in all and SIGKILLs whatever is
+    left, by process group, whatever happened. Their exit codes (None: killed at the timeout)."""
+    end = time.monotonic() + timeout
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for cmd in cmds:
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                    cwd=str(HERE.parent),
+                    start_new_session=True,
+                )
+            )
+        codes: list[int | None] = []
+        for p in procs:
+            try:
+                codes.append(p.wait(max(0.0, end - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        return codes
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
 
 
 @dataclass

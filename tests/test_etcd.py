@@ -14,7 +14,7 @@ from datetime import timedelta
 import etcd_server
 import pytest
 import torch.distributed as dist
-from mp import describe, run_ranks
+from mp import describe, free_port, run_ranks
 
 pytestmark = [
     pytest.mark.timeout(150),
@@ -166,17 +166,11 @@ def test_a_three_member_cluster_loses_the_member_every_rank_talks_to_and_the_job
         cluster.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_refused_unresolvable_and_unreachable_endpoints_are_named() -> None:
     import fastdist
     from fastdist.store.rendezvous import connect_etcd
 
-    refused = _free_port()
+    refused = free_port()
     t0 = time.monotonic()
     with pytest.raises(fastdist.RendezvousConnectionError) as info:
         fastdist.init_process_group(

@@ -18,9 +18,6 @@ parameters and momentum equal (within 1e-6) to an undisturbed run in the same pr
 from __future__ import annotations
 
 import datetime
-import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,35 +26,14 @@ from typing import Any
 import fastdist
 import pytest
 import torch
+from mp import free_port, run_session
 
 HERE = Path(__file__).resolve().parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _launch(cmd: list[str], tmp_path: Path, timeout: float) -> str:
-    """Runs ``cmd`` in a session of its own; every process of it is killed at the end."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    log = tmp_path / "job.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(HERE.parent), start_new_session=True
-        )
-        try:
-            code: int | None = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the launcher's workers share its session
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    text = log.read_text(errors="replace")
+def _launch(cmd: list[str], timeout: float) -> str:
+    """Runs ``cmd`` in a session of its own (tests/mp.py); it must succeed. Its output."""
+    code, text = run_session(cmd, timeout, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     assert code == 0, f"exit {code}\n{text[-5000:]}"
     return text
 
@@ -70,7 +46,7 @@ def _torchrun(script: str, out: Path, *args: str) -> list[str]:
         "torch.distributed.run",
         "--nproc-per-node=3",
         "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
+        f"--master-port={free_port()}",
         str(HERE / script),
         "--out",
         str(out),
@@ -108,7 +84,7 @@ def _check(out: Path, accums: list[int], text: str) -> None:
 def test_trainer_under_lightnings_launcher_redoes_the_stalled_step_exactly_once(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    text = _launch([sys.executable, str(HERE / "lightning_job.py"), "--out", str(out)], tmp_path, 100)
+    text = _launch([sys.executable, str(HERE / "lightning_job.py"), "--out", str(out)], 100)
     _check(out, [1, 2], text)
 
 
@@ -117,7 +93,7 @@ def test_trainer_under_torchrun_with_accumulation(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     cmd = _torchrun("lightning_job.py", out, "--accum", "2")
-    _check(out, [2], _launch(cmd, tmp_path, 100))
+    _check(out, [2], _launch(cmd, 100))
 
 
 @pytest.mark.timeout(60)
@@ -183,7 +159,7 @@ def _check_loop(out: Path, text: str, optimizer_steps: int) -> None:
 def test_fabric_loop_in_run_step_under_fabrics_launcher(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    text = _launch([sys.executable, str(HERE / "fabric_job.py"), "--out", str(out)], tmp_path, 100)
+    text = _launch([sys.executable, str(HERE / "fabric_job.py"), "--out", str(out)], 100)
     _check_loop(out, text, 20)
 
 
@@ -192,7 +168,7 @@ def test_accelerate_under_torchrun_with_accumulate(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     cmd = _torchrun("accelerate_job.py", out)
-    _check_loop(out, _launch(cmd, tmp_path, 100), 60)  # 20 steps x 3 (Accelerate's scheduler rule)
+    _check_loop(out, _launch(cmd, 100), 60)  # 20 steps x 3 (Accelerate's scheduler rule)
     for rank in range(3):  # InitProcessGroupKwargs(timeout=) reached the group fastdist made
         assert torch.load(out / f"rank{rank}-stalled.pt", weights_only=False)["group_timeout"] == 77.0
 
@@ -245,7 +221,7 @@ dist.destroy_process_group()
 @pytest.mark.timeout(60)
 def test_a_scope_over_a_group_torch_made_warns_once_naming_the_fix() -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", UNWATCHED, str(_free_port())],
+        [sys.executable, "-c", UNWATCHED, str(free_port())],
         check=False,
         capture_output=True,
         text=True,

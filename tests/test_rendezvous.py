@@ -22,15 +22,10 @@ from fastdist import (
     RendezvousTimeoutError,
 )
 from fastdist.store.rendezvous import VERSION_KEY, check_versions, connect_store, rendezvous, versions
+from mp import free_port
 from torch.distributed import HashStore, TCPStore
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _fails(cause: str, **kwargs) -> RendezvousConnectionError:
@@ -45,7 +40,7 @@ def _fails(cause: str, **kwargs) -> RendezvousConnectionError:
 
 def test_nothing_listening_is_refused_within_the_connect_timeout(caplog) -> None:
     caplog.set_level("INFO", logger="fastdist.store.rendezvous")
-    port = _free_port()
+    port = free_port()
     err = _fails(
         "refused",
         host="127.0.0.1",
@@ -64,7 +59,7 @@ def test_retries_bound_the_attempts() -> None:
     err = _fails(
         "refused",
         host="127.0.0.1",
-        port=_free_port(),
+        port=free_port(),
         is_master=False,
         connect_timeout=10,
         retries=2,
@@ -114,7 +109,7 @@ def test_no_answer_is_unreachable() -> None:
 
 
 def test_master_starting_late_is_waited_for() -> None:
-    port = _free_port()
+    port = free_port()
     holder = []
     starter = threading.Timer(
         2.0,
@@ -208,7 +203,7 @@ def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_doctor_against_a_healthy_and_a_dead_master() -> None:
-    port = _free_port()
+    port = free_port()
     master = TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
     master.set(VERSION_KEY, json.dumps(dict(versions(), world_size=2)))
     ok = _doctor("--master-addr", "127.0.0.1", "--master-port", str(port), "--world-size", "2", "--json")
@@ -220,7 +215,7 @@ def test_doctor_against_a_healthy_and_a_dead_master() -> None:
     text = _doctor("--master-addr", "127.0.0.1", "--master-port", str(port), "--world-size", "2")
     assert text.returncode == 0 and "ready to join" in text.stdout and text.stdout.count("\n") >= 7
     del master
-    dead = _doctor("--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--world-size", "2")
+    dead = _doctor("--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--world-size", "2")
     assert dead.returncode == 1, dead.stdout
     assert "[FAIL] port      nothing is listening" in dead.stdout and "fix: start rank 0 first" in dead.stdout
     bad_name = _doctor("--master-addr", "no-such-host.invalid", "--master-port", "29500", "--json")
@@ -228,7 +223,7 @@ def test_doctor_against_a_healthy_and_a_dead_master() -> None:
 
 
 def test_init_process_group_reports_a_dead_master_without_a_cpp_trace() -> None:
-    port = _free_port()
+    port = free_port()
     code = (
         "import fastdist, time\n"
         "t = time.monotonic()\n"
@@ -251,7 +246,7 @@ def test_init_process_group_rendezvous_names_the_rank_that_never_came() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from mp import describe, run_ranks
 
-    results = run_ranks("rdzv_init", 3, absent=(2,), env={"FASTDIST_RDZV_PORT": str(_free_port())})
+    results = run_ranks("rdzv_init", 3, absent=(2,), env={"FASTDIST_RDZV_PORT": str(free_port())})
     info = describe(results)
     elapsed = []
     for r in results[:2]:

@@ -8,24 +8,16 @@ torch), so each test checks several things."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from fastdist.examples.train_ddp import compare
+from mp import free_port, run_session
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(240)
 STEPS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(
@@ -40,22 +32,14 @@ def _launch(
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         *flags,
         *(target or ("-m", "fastdist.examples.train_ddp", "--steps", str(STEPS), "--out", str(out))),
         *script,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True
-    )
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, text.decode(errors="replace")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    code, log = run_session(cmd, timeout)
+    assert code is not None, f"the job ran past {timeout} s\n{log[-6000:]}"
+    return code, log
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,6 @@ roll back to, and the checks at the API's edge, the memory refusal included."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,14 +19,9 @@ import fastdist
 import pytest
 import torch
 from fastdist.recovery.snapshot import holders, newest_covering
+from mp import free_port, run_session
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(
@@ -46,28 +37,13 @@ def _run(
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
     ]
     cmd += ["--nproc-per-node", str(nproc), "--spares", str(spares), "--max-replacements", str(replacements)]
     cmd += [str(ROOT / "tests" / "snapshot_fsdp.py"), str(out), *flags]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        cwd=str(ROOT),
-        start_new_session=True,
-    )
-    try:
-        text, _ = proc.communicate(timeout=150)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the agent's workers share its session
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    log = text.decode(errors="replace")
-    assert (proc.returncode == 0) == ok, log[-6000:]
+    code, log = run_session(cmd, timeout=150)
+    assert code is not None, f"the job ran past 150 s\n{log[-6000:]}"
+    assert (code == 0) == ok, log[-6000:]
     return log
 
 

@@ -6,24 +6,15 @@ each run checks several things."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mp import free_port, run_session
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(150)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _torchrun(
@@ -37,9 +28,6 @@ def _torchrun(
     """Runs torchrun; returns its exit code, the workers' records by "attempt-rank", and its output."""
     out = tmp_path / scenario
     out.mkdir()
-    child_env = dict(os.environ, FASTDIST_TEST_OUT=str(out), PYTHONUNBUFFERED="1", **(env or {}))
-    child_env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-    child_env.update(env or {})
     cmd = [
         sys.executable,
         "-m",
@@ -49,31 +37,12 @@ def _torchrun(
         str(HERE / "torchrun_worker.py"),
         scenario,
     ]
-    log = tmp_path / f"{scenario}.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=child_env,
-            cwd=str(HERE.parent),
-            start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            if proc.poll() is None or code is None:
-                # The agent and its workers share the new session: end them all.
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            else:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # stray workers, if any
-                except ProcessLookupError:
-                    pass
-    text = log.read_text(errors="replace")
+    code, text = run_session(
+        cmd,
+        timeout,
+        env={"FASTDIST_TEST_OUT": str(out), **(env or {})},
+        unset=("TORCH_NCCL_ASYNC_ERROR_HANDLING",),
+    )
     assert code is not None, f"torchrun did not finish within {timeout} s\n{text[-4000:]}"
     records = {p.name[: -len(".json")]: json.loads(p.read_text()) for p in out.glob("*.json")}
     return code, records, text
@@ -82,7 +51,7 @@ def _torchrun(
 def test_static_rendezvous_a_stopped_worker_is_named_and_all_recover_in_place(tmp_path: Path) -> None:
     """fastdist.all_reduce on the gradients, then a DDP model (torch issues the collectives): each
     time one worker SIGSTOPs itself for 5 s mid-run."""
-    port = _free_port()
+    port = free_port()
     code, recs, log = _torchrun(
         tmp_path, "train_sigstop", 3, ["--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0"]
     )
@@ -106,7 +75,7 @@ def test_static_rendezvous_a_stopped_worker_is_named_and_all_recover_in_place(tm
 
 
 def test_max_restarts_the_next_attempt_never_meets_the_last_ones_keys(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     code, recs, log = _torchrun(
         tmp_path,
         "restart",
@@ -138,7 +107,7 @@ def test_standalone_and_c10d_rendezvous(tmp_path: Path, launcher: str) -> None:
     if launcher == "standalone":
         args, env = ["--standalone"], {}
     else:
-        port = _free_port()
+        port = free_port()
         # A value the user set in the launching environment is theirs: kept, with a warning.
         args, env = (
             ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fdtest"],
