@@ -2,16 +2,17 @@
 
 The chosen tests (torch 2.13.0, gloo, 3 processes a test, file:// init as torch's own CI runs
 them): the barrier timeouts, whose error text torch matches against `` (Timed out|closed|timeout) ``,
-and DDP. They run in one pytest process of their own (tests/torch_suite.py), on watched groups.
-Each costs about 10 s of process starts on 2 cores, so the suite keeps these three:
+DDP, and DDP's logging data (its ``backend_name`` and gloo's own fields, as on plain gloo). They
+run in one pytest process of their own (tests/torch_suite.py), on watched groups. Each costs
+about 10 s of process starts on 2 cores, so the suite keeps these four:
 ``FASTDIST_TORCH_SUITE_MORE=1`` adds all_reduce, send/recv, broadcast and subgroup tests, and
 ``FASTDIST_TORCH_SUITE_BASELINE=1`` runs the same tests on plain gloo first and compares (all of
 them pass there: measured on this machine with both variables set).
 
-Left out, with the reason: ``test_barrier_timeout_group`` needs 8 processes; and
-``test_ddp_logging_data_cpu`` fails on watched groups: DDP's logging data says
-``backend_name == "custom"`` (torch's logger casts a backend registered as gloo to
-ProcessGroupGloo; the wrapper is registered as a custom backend so that it is not).
+Left out, with the reason: ``test_barrier_timeout_group`` needs 8 processes. (torch's DDP logger
+names a watched group's backend "custom": fastdist's wrapper is registered as a custom backend,
+since the logger casts a gloo group's backend to ProcessGroupGloo. ``_get_ddp_logging_data`` on a
+watched group reports the wrapped backend's name and fields: fastdist.recovery.wrappers.)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TESTS = (
     "test_barrier_timeout_global",
     "test_barrier_timeout_full_group",
     "test_DistributedDataParallelCPU",
+    "test_ddp_logging_data_cpu",
 )
 MORE = ("test_all_reduce_sum", "test_send_recv", "test_broadcast", "test_get_rank_size_group")
 HERE = Path(__file__).parent

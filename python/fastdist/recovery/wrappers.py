@@ -4,11 +4,13 @@ leaves DDP's reducer waiting for a reduction that never finished, and FSDP2 mid-
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import weakref
 from typing import Any
 
 from ..errors import FastdistError
+from ..groups import registry
 
 # DistributedDataParallel modules on watched groups, so that recover() can reset their reducers
 # (a backward that failed leaves DDP waiting for a reduction that never finished).
@@ -29,6 +31,47 @@ def track_ddp() -> None:
     __init__._fastdist = True  # type: ignore[attr-defined]
     __init__.__doc__ = original.__doc__
     DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
+    logging_data = DistributedDataParallel._get_ddp_logging_data
+
+    def _get_ddp_logging_data(self: Any) -> dict[str, Any]:
+        return _as_torch_logs_it(self.process_group, logging_data(self))
+
+    _get_ddp_logging_data.__doc__ = logging_data.__doc__
+    DistributedDataParallel._get_ddp_logging_data = _get_ddp_logging_data  # type: ignore[method-assign]
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "N/A")  # as torch's DDP logger reads it
+
+
+def _as_torch_logs_it(pg: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """DDP's logging data on a watched group as on the backend it wraps: torch's logger takes the
+    name from the group's backend type, "custom" for fastdist's wrapper (registered as a custom
+    backend because the logger casts a gloo group's backend to ProcessGroupGloo), and so leaves
+    out gloo's and NCCL's own fields."""
+    if data.get("backend_name") != "custom":
+        return data
+    backends = registry.backends_of(pg)
+    if not backends:
+        return data
+    inner = backends[0].inner
+    name = inner.name()
+    data["backend_name"] = name
+    if name == "gloo":
+        data["gloo_socket_ifname"] = _env("GLOO_SOCKET_IFNAME")
+        data["gloo_device_transport"] = _env("GLOO_DEVICE_TRANSPORT")
+        data["gloo_num_threads"] = int(inner.options._threads)
+    elif name == "nccl":
+        for key, var in (
+            ("nccl_socket_ifname", "NCCL_SOCKET_IFNAME"),
+            ("nccl_blocking_wait", "NCCL_BLOCKING_WAIT"),
+            ("nccl_async_error_handling", "NCCL_ASYNC_ERROR_HANDLING"),
+            ("nccl_debug", "NCCL_DEBUG"),
+            ("nccl_nthreads", "NCCL_NTHREADS"),
+            ("nccl_ib_timeout", "NCCL_IB_TIMEOUT"),
+        ):
+            data[key] = _env(var)
+    return data
 
 
 def reset_ddp(old_groups: list[Any], replacement: Any | None = None) -> int:
