@@ -31,7 +31,7 @@ def track_ddp() -> None:
     __init__._fastdist = True  # type: ignore[attr-defined]
     __init__.__doc__ = original.__doc__
     DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
-    logging_data = DistributedDataParallel._get_ddp_logging_data
+    logging_data: Any = DistributedDataParallel._get_ddp_logging_data
 
     def _get_ddp_logging_data(self: Any) -> dict[str, Any]:
         return _as_torch_logs_it(self.process_group, logging_data(self))
