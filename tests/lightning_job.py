@@ -1,6 +1,7 @@
-"""A Lightning job as a user writes it, for tests/test_lightning.py: Trainer, DDP on CPU (gloo),
+"""A Lightning job as a user writes it, for tests/test_frameworks.py: Trainer, DDP on CPU (gloo),
 fastdist.lightning.DDPStrategy, a LR scheduler stepped every step, dropout, validation with
-``sync_dist`` every 5 steps, and ``accumulate_grad_batches`` 1 and 2.
+``sync_dist`` every 5 steps, and ``accumulate_grad_batches`` 1 and 2. ``--fsdp2``: the model
+sharded with FSDP2 in ``configure_model`` under fastdist.lightning.ModelParallelStrategy instead.
 
     python tests/lightning_job.py --out DIR            # Lightning's own launcher starts 3 processes
     torchrun --nproc-per-node 3 tests/lightning_job.py --out DIR
@@ -28,13 +29,19 @@ STALL_RANK, STALL_STEP = 2, 3
 
 
 class Net(L.LightningModule):
-    def __init__(self, accum: int, stall: float) -> None:
+    def __init__(self, accum: int, stall: float, fsdp2: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
         )
-        self.accum, self.stall, self.stalled = accum, stall, False
+        self.accum, self.stall, self.stalled, self.fsdp2 = accum, stall, False, fsdp2
+
+    def configure_model(self) -> None:
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: Any, idx: int) -> torch.Tensor:
         x, y = batch
@@ -67,10 +74,21 @@ def data(n: int, seed: int) -> DataLoader:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
 
 
-def fit(accum: int, stall: float, steps: int) -> dict[str, Any]:
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def fit(accum: int, stall: float, steps: int, fsdp2: bool = False) -> dict[str, Any]:
     torch.manual_seed(1)
-    model = Net(accum, stall)
-    strategy = fastdist.lightning.DDPStrategy(step_timeout=2, collective_timeout=30, recover_timeout=60)
+    model = Net(accum, stall, fsdp2)
+    timeouts = {"step_timeout": 2, "collective_timeout": 30, "recover_timeout": 60}
+    strategy: Any
+    if fsdp2:
+        strategy = fastdist.lightning.ModelParallelStrategy(
+            data_parallel_size=3, tensor_parallel_size=1, **timeouts
+        )
+    else:
+        strategy = fastdist.lightning.DDPStrategy(**timeouts)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=3,
@@ -89,8 +107,8 @@ def fit(accum: int, stall: float, steps: int) -> dict[str, Any]:
     return {
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+        "params": {k: _whole(v) for k, v in model.state_dict().items()},
+        "momentum": [_whole(opt.state[p]["momentum_buffer"]) for p in model.parameters()],
         "lr": [g["lr"] for g in opt.param_groups],
         "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
         "fit_loop": trainer.fit_loop.state_dict(),
@@ -106,10 +124,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--stall", type=float, default=3.5)
     p.add_argument("--accum", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--fsdp2", action="store_true", help="FSDP2: fastdist.lightning.ModelParallelStrategy")
     args = p.parse_args()
     for accum in args.accum:
         for run, stall in (("undisturbed", 0.0), ("stalled", args.stall)):
-            result = fit(accum, stall, args.steps)
+            result = fit(accum, stall, args.steps, args.fsdp2)
             path = os.path.join(args.out, f"rank{result['rank']}-accum{accum}-{run}.pt")
             torch.save(result, path)
 

@@ -96,6 +96,18 @@ def test_trainer_under_torchrun_with_accumulation(tmp_path: Path) -> None:
     _check(out, [2], _launch(cmd, 100))
 
 
+@pytest.mark.timeout(150)
+def test_trainer_fsdp2_under_torchrun_redoes_a_step_and_a_micro_batch(tmp_path: Path) -> None:
+    """fastdist.lightning.ModelParallelStrategy, the model sharded with FSDP2 in configure_model:
+    without accumulation the stall times out in the optimizer step; with accumulate_grad_batches=2
+    in the window's first micro-batch, outside the optimizer step, where FSDP2 all-gathers: that
+    micro-batch alone is redone."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = _torchrun("lightning_job.py", out, "--accum", "1", "2", "--fsdp2")
+    _check(out, [1, 2], _launch(cmd, 130))
+
+
 @pytest.mark.timeout(60)
 def test_strategy_arguments_and_both_lightning_packages() -> None:
     import fastdist.lightning as fl
@@ -136,6 +148,16 @@ def test_strategy_arguments_and_both_lightning_packages() -> None:
         fl.FabricDDPStrategy(collective_timeout=-3)
     with pytest.raises(ValueError, match="package"):
         fl.fabric_ddp_strategy_class("lightning.pytorch")
+    fsdp2 = fl.ModelParallelStrategy(data_parallel_size=3, tensor_parallel_size=1, step_timeout=7)
+    assert isinstance(fsdp2, lightning.pytorch.strategies.ModelParallelStrategy)
+    assert fsdp2._fastdist_step_timeout == 7.0 and fsdp2._fastdist_micro_batches
+    assert not strategy._fastdist_micro_batches  # DDP's accumulating micro-batches issue no collective
+    assert issubclass(
+        fl.model_parallel_strategy_class("pytorch_lightning"),
+        pytorch_lightning.strategies.ModelParallelStrategy,
+    )
+    with pytest.raises(ValueError, match="step_timeout"):
+        fl.ModelParallelStrategy(step_timeout=0)
 
 
 def _check_loop(out: Path, text: str, optimizer_steps: int) -> None:

@@ -30,6 +30,10 @@ state is put back too, so dropout draws the same masks.
 Manual optimization is refused at set-up unless ``max_retries=0``: fastdist cannot redo a step it
 does not run.
 
+``ModelParallelStrategy`` does the same for FSDP2 (``fully_shard`` in ``configure_model``); as
+FSDP2 communicates in every micro-batch, the window's earlier micro-batches, which Lightning runs
+outside the optimizer step, are bounded and redone one by one too.
+
 Works with the ``lightning`` package and with ``pytorch_lightning`` (>= 2.4): ``DDPStrategy`` is
 built on the one the program imported (``lightning`` when both or neither is imported yet);
 :func:`ddp_strategy_class` builds it on a named one. Importing ``fastdist`` does not import this
@@ -117,6 +121,10 @@ class _Mixin(_Bounded):
     _fastdist_recover_timeout: float
     _fastdist_max_retries: int
     retries: int
+    # Whether the micro-batches that accumulate outside the optimizer step issue collectives
+    # (FSDP2 reduce-scatters every backward; DDP's run under no_sync and issue none).
+    _fastdist_micro_batches = False
+    _fastdist_in_step = False
 
     def __init__(
         self,
@@ -151,6 +159,15 @@ class _Mixin(_Bounded):
         s._process_group_backend = s._get_process_group_backend()
         _init_watched_group(s)
 
+    def _setup_distributed(self) -> None:
+        """ModelParallelStrategy's set-up (FSDP2): the watched group first, which Lightning's own
+        set-up then finds and uses."""
+        s: Any = self
+        s.set_world_ranks()
+        s._process_group_backend = s._get_process_group_backend()
+        _init_watched_group(s)
+        super()._setup_distributed()  # type: ignore[misc]
+
     def setup(self, trainer: Any) -> None:
         module = getattr(trainer, "lightning_module", None)
         if self._fastdist_max_retries and module is not None and not module.automatic_optimization:
@@ -160,6 +177,8 @@ class _Mixin(_Bounded):
             )
         super().setup(trainer)  # type: ignore[misc]
         self._bound_sigterm_broadcast(trainer)
+        if self._fastdist_micro_batches:
+            self._bound_accumulating_micro_batches(trainer)
 
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         return self._bounded(super().reduce, tensor, *args, **kwargs)  # type: ignore[misc]
@@ -182,28 +201,66 @@ class _Mixin(_Bounded):
         bounded._fastdist = True  # type: ignore[attr-defined]
         loop._broadcast_sigterm_tensor = bounded
 
+    def _bound_accumulating_micro_batches(self, trainer: Any) -> None:
+        """With ``accumulate_grad_batches`` > 1, Lightning runs the window's earlier micro-batches
+        (training_step and backward) outside ``optimizer_step``. Under FSDP2 they all-gather and
+        reduce-scatter: each runs in ``fail_after(step_timeout)`` and, after a fault, is redone
+        alone, from the gradients, RNG state, counters and metrics it started with."""
+        loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        auto: Any = getattr(loop, "automatic_optimization", None)
+        make = getattr(auto, "_make_closure", None)
+        if make is None or getattr(make, "_fastdist", False):
+            return
+        if self._fastdist_step_timeout is None and not self._fastdist_max_retries:
+            return
+        strategy = self
+
+        def make_closure(kwargs: Any, optimizer: Any, batch_idx: int) -> Any:
+            closure = make(kwargs, optimizer, batch_idx)
+            inner = closure.closure
+
+            def guarded(*args: Any, **kw: Any) -> Any:
+                if strategy._fastdist_in_step:  # the optimizer step's closure: bounded there
+                    return inner(*args, **kw)
+                result, redone = strategy._redo(lambda: inner(*args, **kw), optimizer)
+                strategy.retries += redone
+                return result
+
+            closure.closure = guarded
+            return closure
+
+        make_closure._fastdist = True  # type: ignore[attr-defined]
+        auto._make_closure = make_closure
+
+    def _redo(self, call: Any, optimizer: Any) -> tuple[Any, int]:
+        timeout = self._fastdist_step_timeout
+
+        def attempt() -> Any:
+            if timeout is None:
+                return call()
+            with fail_after(timeout):
+                return call()
+
+        return redo_after_fault(
+            attempt,
+            _StepStart(self, optimizer),
+            max_retries=self._fastdist_max_retries,
+            recover_timeout=self._fastdist_recover_timeout,
+        )
+
     # -- the training step -------------------------------------------------------------------
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The step in ``fail_after(step_timeout)``; after a fault, recovery and the step again
         with the gradients, RNG state, progress counters and logged metrics it started with."""
         step = super().optimizer_step  # type: ignore[misc]
-        timeout = self._fastdist_step_timeout
-        if timeout is None and not self._fastdist_max_retries:
+        if self._fastdist_step_timeout is None and not self._fastdist_max_retries:
             return step(optimizer, closure, model, **kwargs)
-
-        def attempt() -> Any:
-            if timeout is None:
-                return step(optimizer, closure, model, **kwargs)
-            with fail_after(timeout):
-                return step(optimizer, closure, model, **kwargs)
-
-        result, redone = redo_after_fault(
-            attempt,
-            _StepStart(self, optimizer),
-            max_retries=self._fastdist_max_retries,
-            recover_timeout=self._fastdist_recover_timeout,
-        )
+        self._fastdist_in_step = True
+        try:
+            result, redone = self._redo(lambda: step(optimizer, closure, model, **kwargs), optimizer)
+        finally:
+            self._fastdist_in_step = False
         self.retries += redone
         return result
 
@@ -285,6 +342,32 @@ def ddp_strategy_class(package: str | None = None) -> type:
     return _classes[name]
 
 
+def model_parallel_strategy_class(package: str | None = None) -> type:
+    """fastdist's strategy for FSDP2 (and tensor parallelism) built on ``package``'s
+    ``ModelParallelStrategy``: the same deadlines and in-place redo as :func:`ddp_strategy_class`.
+    The LightningModule shards itself in ``configure_model`` on ``self.device_mesh``::
+
+        def configure_model(self):
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        strategy = fastdist.lightning.ModelParallelStrategy(
+            data_parallel_size=3, tensor_parallel_size=1, step_timeout=30)
+    """
+    name = _chosen_package() if package is None else package
+    if name not in _PACKAGES:
+        raise ValueError(f"package must be one of {', '.join(_PACKAGES)}; got {package!r}")
+    key = name + ":model_parallel"
+    if key not in _classes:
+        base = importlib.import_module(name + ".strategies").ModelParallelStrategy
+        fabric = "lightning.fabric" if name == "lightning.pytorch" else "lightning_fabric"
+        attrs = {"_fastdist_fabric": fabric, "__module__": __name__, "_fastdist_micro_batches": True}
+        cls = type("ModelParallelStrategy", (_Mixin, base), attrs)
+        cls.__doc__ = model_parallel_strategy_class.__doc__
+        cls.__qualname__ = "ModelParallelStrategy"
+        _classes[key] = cls
+    return _classes[key]
+
+
 class _FabricMixin(_Bounded):
     """Fabric's DDP strategy with the group made by :func:`fastdist.init_process_group` and its
     collectives bounded by ``collective_timeout``; the loop is the user's (see
@@ -344,4 +427,6 @@ def __getattr__(name: str) -> Any:
         return ddp_strategy_class()
     if name == "FabricDDPStrategy":
         return fabric_ddp_strategy_class()
+    if name == "ModelParallelStrategy":
+        return model_parallel_strategy_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
