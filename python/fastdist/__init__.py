@@ -62,7 +62,7 @@ from .recovery.checkpoint import load_checkpoint, save_checkpoint
 from .recovery.recover import recover, sync_state
 from .recovery.snapshot import PeerSnapshot
 from .steps import run_step
-from .store.etcd import EtcdStore
+from .store.etcd import EtcdAccessError, EtcdSecurity, EtcdStore
 
 # fastdist.rpc is a submodule (import fastdist.rpc): it imports torch.distributed.rpc.
 # fastdist.lightning and fastdist.accelerate too: they import those frameworks.
@@ -71,6 +71,8 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DeadlineScope",
+    "EtcdAccessError",
+    "EtcdSecurity",
     "EtcdStore",
     "FastdistError",
     "GroupAbortedError",

@@ -23,7 +23,7 @@ from .ops import watching
 from .recovery import joining, wrappers
 from .recovery.recover import LINEAGE_PROBE, lineage
 from .store import job, keys, rendezvous
-from .store.etcd import parse_url
+from .store.etcd import parse_url, security_of
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ def init_process_group(
             endpoints,
             job_id,
             ttl=ttl,
+            security=security_of(init_method),
             connect_timeout=connect,
             retries=retries,
             backoff=backoff,

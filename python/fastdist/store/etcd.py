@@ -27,11 +27,14 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import os
 import threading
 import time
+import urllib.parse
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -65,7 +68,7 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
     for item in items:
         if not isinstance(item, str):
             raise TypeError(f"endpoints must be strings like 'HOST:PORT', got {item!r}")
-        item = item.strip().removeprefix("http://")
+        item = item.strip().removeprefix("http://").removeprefix("https://")
         if not item:
             continue
         host, sep, port = item.rpartition(":")
@@ -80,24 +83,129 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
     return out
 
 
-def parse_url(url: str) -> tuple[list[tuple[str, int]], str, int]:
-    """``etcd://HOST:PORT[,HOST:PORT...]/JOB_ID[?ttl=SECONDS]`` as (endpoints, job id, ttl)."""
+_QUERY = ("ttl", "tls", "ca", "cert", "key", "user", "password")
+
+
+def _query(url: str) -> dict[str, str]:
     if not isinstance(url, str) or not url.startswith("etcd://"):
         raise ValueError(f"an etcd store URL starts with etcd://, got {url!r}")
-    rest, _, query = url[len("etcd://") :].partition("?")
+    out: dict[str, str] = {}
+    for part in filter(None, url.partition("?")[2].split("&")):
+        name, _, value = part.partition("=")
+        if name not in _QUERY:
+            raise ValueError(
+                f"an etcd store URL takes ?ttl=, tls=, ca=, cert=, key=, user= and password=; got {name!r} "
+                f"in {redact(url)!r}"
+            )
+        out[name] = urllib.parse.unquote(value)
+    return out
+
+
+def parse_url(url: str) -> tuple[list[tuple[str, int]], str, int]:
+    """``etcd://HOST:PORT[,HOST:PORT...]/JOB_ID[?ttl=SECONDS&...]`` as (endpoints, job id, ttl).
+    TLS and credentials in the query: :func:`security_of`."""
+    query = _query(url)
+    rest = url[len("etcd://") :].partition("?")[0]
     hosts, _, job = rest.partition("/")
     job = job.strip("/")
     if not job:
-        raise ValueError(f"an etcd store URL must name the job: etcd://HOST:PORT/JOB_ID, got {url!r}")
+        raise ValueError(f"an etcd store URL must name the job: etcd://HOST:PORT/JOB_ID, got {redact(url)!r}")
     ttl = DEFAULT_TTL
-    for part in filter(None, query.split("&")):
-        name, _, value = part.partition("=")
-        if name != "ttl" or not value.isdigit() or int(value) < 2:
-            raise ValueError(
-                f"an etcd store URL takes ?ttl=SECONDS (2 or more) and nothing else, got {url!r}"
-            )
+    if "ttl" in query:
+        value = query["ttl"]
+        if not value.isdigit() or int(value) < 2:
+            raise ValueError(f"an etcd store URL's ttl= is a number of seconds (2 or more), got {value!r}")
         ttl = int(value)
     return parse_endpoints(hosts), job, ttl
+
+
+def redact(url: str) -> str:
+    """``url`` with a password in its query replaced by ``***`` (for messages and logs)."""
+    head, sep, query = url.partition("?")
+    if not sep:
+        return url
+    parts = [("password=***" if p.startswith("password=") else p) for p in query.split("&")]
+    return head + "?" + "&".join(parts)
+
+
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """TLS and authentication for an etcd cluster that requires them (as production ones do).
+
+    ``tls``: https (on when ``ca`` is given, or when an endpoint is written ``https://...``);
+    ``ca``: the CA file that signed the server's certificate (else the system's CAs); ``cert``
+    and ``key``: a client certificate and its key (etcd's ``--client-cert-auth``); ``user`` and
+    ``password``: etcd's authentication (``etcdctl auth enable``); the password is never logged
+    nor shown in ``repr``.
+
+    From ``etcd://`` URLs: ``?tls=1&ca=PATH&cert=PATH&key=PATH&user=NAME`` (``password=`` too,
+    though a URL is easily logged by others); each also from the environment:
+    ``FASTDIST_ETCD_CA``, ``FASTDIST_ETCD_CERT``, ``FASTDIST_ETCD_KEY``, ``FASTDIST_ETCD_USER``,
+    ``FASTDIST_ETCD_PASSWORD`` (the URL wins).
+    """
+
+    tls: bool = False
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("ca", "cert", "key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"etcd {name}= names no readable file: {path!r}")
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("etcd cert= and key= go together (a client certificate and its key)")
+        if (self.user is None) != (self.password is None):
+            missing = "password (FASTDIST_ETCD_PASSWORD)" if self.password is None else "user"
+            raise ValueError(f"etcd authentication needs a user and a password: the {missing} is missing")
+        if (self.ca is not None or self.cert is not None) and not self.tls:
+            object.__setattr__(self, "tls", True)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+
+def _flag(value: str, name: str) -> bool:
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no", ""):
+        return False
+    raise ValueError(f"etcd {name}= is 1 or 0, got {value!r}")
+
+
+def _https(endpoints: Any) -> bool:
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints or [])
+    return any(isinstance(e, str) and e.strip().startswith("https://") for e in items)
+
+
+def security_of(url: str | None = None, endpoints: Any = None) -> EtcdSecurity:
+    """The TLS and credentials for an etcd store: the ``etcd://`` URL's query, else the
+    environment (see :class:`EtcdSecurity`); https also when an endpoint says ``https://``."""
+    query = _query(url) if url is not None else {}
+    env = {
+        "ca": "FASTDIST_ETCD_CA",
+        "cert": "FASTDIST_ETCD_CERT",
+        "key": "FASTDIST_ETCD_KEY",
+        "user": "FASTDIST_ETCD_USER",
+        "password": "FASTDIST_ETCD_PASSWORD",
+    }
+    given = {k: query.get(k) or os.environ.get(v) or None for k, v in env.items()}
+    tls = _flag(query.get("tls", "0"), "tls") or _https(endpoints)
+    return EtcdSecurity(tls=tls, **given)
+
+
+class EtcdAccessError(PermissionError):
+    """etcd refused this client: ``part`` says which part failed: ``"certificate"`` (the server's
+    is not trusted, or the client's was refused), ``"password"`` (wrong user or password), or
+    ``"permission"`` (the user may not use the job's keys)."""
+
+    def __init__(self, part: str, message: str) -> None:
+        super().__init__(message)
+        self.part = part
 
 
 def _encode_value(value: Any) -> bytes:
@@ -189,9 +297,17 @@ class EtcdStore(dist.Store):
         timeout: Any = 300.0,
         ttl: int = DEFAULT_TTL,
         *,
+        security: EtcdSecurity | None = None,
         _lease: tuple[int, _Keepalive] | None = None,
     ) -> None:
         super().__init__()
+        if security is None:
+            security = security_of(None, endpoints)
+        elif not isinstance(security, EtcdSecurity):
+            raise TypeError(f"security must be a fastdist.EtcdSecurity, got {type(security).__name__}")
+        elif _https(endpoints) and not security.tls:
+            security = replace(security, tls=True)
+        self._security = security
         if not isinstance(prefix, str) or not prefix.strip("/"):
             raise ValueError(f"prefix must be a non-empty string (the job's id), got {prefix!r}")
         if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 2:
@@ -217,21 +333,8 @@ class EtcdStore(dist.Store):
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _client(host: str, port: int) -> Any:
-        import requests
-        from etcd3gw.client import Etcd3Client
-
-        class _Session(requests.Session):
-            def request(self, *args: Any, **kwargs: Any) -> Any:  # every request bounded
-                kwargs.setdefault("timeout", (CONNECT_SECONDS, READ_SECONDS))
-                if kwargs["timeout"] is None:
-                    kwargs["timeout"] = (CONNECT_SECONDS, READ_SECONDS)
-                return super().request(*args, **kwargs)
-
-        # (requests takes a (connect, read) pair where etcd3gw's annotation says a number)
-        timeout = (CONNECT_SECONDS, READ_SECONDS)
-        return Etcd3Client(host=host, port=port, timeout=timeout, session=_Session())  # type: ignore[arg-type]
+    def _client(self, host: str, port: int) -> Any:
+        return make_client(host, port, self._security)
 
     def _call(self, fn: Callable[[Any], T]) -> T:
         """``fn(client)`` on the current endpoint, moving on to the next ones while they cannot
@@ -239,18 +342,27 @@ class EtcdStore(dist.Store):
         from etcd3gw import exceptions as ex
 
         failures = []
+        tls_failures = []
         for i in range(len(self._clients)):
             idx = (self._current + i) % len(self._clients)
+            host, port = self._endpoints[idx]
             try:
                 out = fn(self._clients[idx])
             except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as exc:
-                host, port = self._endpoints[idx]
+                tls = tls_failure(_text(exc), self._security)
+                if tls is not None:
+                    tls_failures.append(f"{host}:{port}: {tls}")
                 failures.append(f"{host}:{port}: {_short(exc)}")
                 continue
+            except ex.Etcd3Exception as exc:
+                raise_refusal(exc, f"etcd {host}:{port}", self._security, self._job)
+                raise
             if idx != self._current:
                 logger.info("fastdist: etcd endpoint %s:%d answers; using it", *self._endpoints[idx])
                 self._current = idx
             return out
+        if tls_failures and len(tls_failures) == len(failures):
+            raise EtcdAccessError("certificate", f"TLS with etcd failed: {'; '.join(tls_failures)}")
         raise dist.DistNetworkError(
             f"no etcd endpoint of job {self._job!r} can be reached: {'; '.join(failures)}"
         )
@@ -429,6 +541,7 @@ class EtcdStore(dist.Store):
             self._job,
             timeout=min(self._timeout, _FOREVER),
             ttl=self._ttl,
+            security=self._security,
             _lease=(self._lease_id, self._keepalive),
         )
         self._clones.append(twin)
@@ -512,8 +625,119 @@ class EtcdStore(dist.Store):
         return f"EtcdStore('{hosts}', job={self._job!r})"
 
 
+def make_client(host: str, port: int, sec: EtcdSecurity, timeout: Any = None) -> Any:
+    """An etcd3gw client of one endpoint: TLS and authentication from ``sec``; every request
+    bounded (``timeout``: (connect, read) seconds, default CONNECT_SECONDS, READ_SECONDS)."""
+    import requests
+    from etcd3gw.client import Etcd3Client
+
+    where = f"etcd {host}:{port}"
+
+    class _Session(requests.Session):
+        """Every request bounded; with a user, each carries the token, taken (again, when
+        etcd says it expired) from /v3/auth/authenticate."""
+
+        token: str | None = None
+
+        def request(self, method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
+            # (per request: requests lets REQUESTS_CA_BUNDLE override the session's own verify)
+            kwargs.setdefault("verify", self.verify)
+            kwargs.setdefault("timeout", (CONNECT_SECONDS, READ_SECONDS))
+            if kwargs["timeout"] is None:
+                kwargs["timeout"] = (CONNECT_SECONDS, READ_SECONDS)
+            if sec.user is None or str(url).endswith("/auth/authenticate"):
+                return super().request(method, url, *args, **kwargs)
+            for attempt in (0, 1):
+                if self.token is None or attempt:
+                    self.token = _authenticate(self, str(url), sec, where)
+                kwargs["headers"] = {**(kwargs.get("headers") or {}), "Authorization": self.token}
+                resp = super().request(method, url, *args, **kwargs)
+                if resp.status_code != 401:
+                    break
+            return resp
+
+    session = _Session()
+    session.verify = sec.ca if sec.ca is not None else True
+    if sec.cert is not None and sec.key is not None:
+        session.cert = (sec.cert, sec.key)
+    # (requests takes a (connect, read) pair where etcd3gw's annotation says a number)
+    if timeout is None:
+        timeout = (CONNECT_SECONDS, READ_SECONDS)
+    return Etcd3Client(host=host, port=port, protocol=sec.scheme, timeout=timeout, session=session)
+
+
+def _authenticate(session: Any, url: str, sec: EtcdSecurity, where: str) -> str:
+    """A token for ``sec.user`` from the server ``url`` is on (etcd's /v3/auth/authenticate)."""
+    parts = urllib.parse.urlsplit(url)
+    base = f"{parts.scheme}://{parts.netloc}"
+    resp = session.request(
+        "POST",
+        base + "/v3/auth/authenticate",
+        json={"name": sec.user, "password": sec.password},
+        timeout=(CONNECT_SECONDS, READ_SECONDS),
+    )
+    if resp.status_code == 200 and resp.json().get("token"):
+        return str(resp.json()["token"])
+    text = resp.text[:300]
+    if "authentication is not enabled" in text:
+        raise EtcdAccessError(
+            "password", f"{where}: a user was given but authentication is not enabled there"
+        )
+    if "invalid user ID or password" in text or "authentication failed" in text:
+        raise EtcdAccessError(
+            "password", f"{where}: user {sec.user!r} could not log in: wrong user or password"
+        )
+    raise EtcdAccessError(
+        "password", f"{where}: logging in as {sec.user!r} failed: HTTP {resp.status_code} {text}"
+    )
+
+
+def tls_failure(text: str, sec: EtcdSecurity) -> str | None:
+    """What a connection failure says about TLS, in words (None: nothing about TLS)."""
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        ca = f"the CA file {sec.ca!r}" if sec.ca else "the system's CAs (give ca=)"
+        return f"the server's certificate is not trusted by {ca}"
+    if "WRONG_VERSION_NUMBER" in text or "wrong version number" in text:
+        return "the server does not speak TLS here: use http (no tls=, ca=)"
+    ended = "EOF occurred in violation of protocol" in text or "SSLEOFError" in text
+    if ended or "certificate required" in text or "bad certificate" in text or "unknown ca" in text:
+        # (a server requiring client certificates ends the handshake of a client without one)
+        if sec.cert is None:
+            return "the server asks for a client certificate (it ended the handshake): give cert=, key="
+        return "the server asks for a client certificate and refused this client's (cert=, key=)"
+    if "SSL" in text:
+        return "TLS failed: " + text[:160]
+    return None
+
+
+def raise_refusal(exc: Any, where: str, sec: EtcdSecurity, job: str) -> None:
+    """An etcd answer that refuses this client, as EtcdAccessError (else nothing)."""
+    text = _text(exc)
+    if "permission denied" in text:
+        who = f"user {sec.user!r}" if sec.user else "this client (no user given)"
+        raise EtcdAccessError(
+            "permission",
+            f"{where}: permission denied: {who} may not use the keys of job {job!r} (/fastdist/{job}/)",
+        ) from None
+    if "user name is empty" in text or "invalid auth token" in text or "Unauthenticated" in text:
+        raise EtcdAccessError(
+            "password",
+            f"{where}: authentication is enabled there: give a user and a password (user=, "
+            "FASTDIST_ETCD_PASSWORD)",
+        ) from None
+    if "HTTP request to an HTTPS server" in text:
+        raise EtcdAccessError(
+            "certificate", f"{where}: the server speaks TLS: use https (tls=1, ca=)"
+        ) from None
+
+
+def _text(exc: BaseException) -> str:
+    """What an exception says (etcd3gw's keep it in ``detail_text``, not in their args)."""
+    return str(getattr(exc, "detail_text", None) or exc)
+
+
 def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = _text(exc).strip().splitlines()[0] if _text(exc).strip() else type(exc).__name__
     return text[:200]
 
 

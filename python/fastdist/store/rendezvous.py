@@ -37,7 +37,7 @@ from .._version import __version__
 from ..deadlines import RendezvousTimeout, current_time, validate_seconds
 from ..errors import RendezvousClosedError, RendezvousConnectionError, RendezvousTimeoutError
 from . import keys
-from .etcd import EtcdStore
+from .etcd import EtcdAccessError, EtcdSecurity, EtcdStore
 
 logger = logging.getLogger(__name__)
 
@@ -206,11 +206,13 @@ def connect_etcd(
     retries: int | None = 3,
     backoff: float = 0.5,
     store_timeout: float = 300.0,
+    security: EtcdSecurity | None = None,
 ) -> Any:
     """A :class:`fastdist.EtcdStore` for ``job`` on the first of ``endpoints`` that answers,
     probing each as :func:`connect_store` does (resolve, then a plain connect) and retrying
     ``retries`` times with backoff. Raises :class:`RendezvousConnectionError` naming every
-    endpoint's cause (``cause``: the first endpoint's)."""
+    endpoint's cause (``cause``: the first endpoint's); a refusal of this client's certificate,
+    password or permissions is :class:`EtcdAccessError` at once (retrying cannot help)."""
     budget = validate_seconds(connect_timeout, "connect_timeout")
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
         raise ValueError(f"retries must be a non-negative int or None, got {retries!r}")
@@ -230,7 +232,10 @@ def connect_etcd(
             cause, took = probe(addr, port, min(max(deadline - time.monotonic(), 0.001), 5.0))
             if cause is None:
                 try:
-                    return EtcdStore([f"{h}:{p}" for h, p in endpoints], job, timeout=store_timeout, ttl=ttl)
+                    hosts = [f"{h}:{p}" for h, p in endpoints]
+                    return EtcdStore(hosts, job, timeout=store_timeout, ttl=ttl, security=security)
+                except (EtcdAccessError, ValueError, TypeError):  # refused, or a setting: no retry helps
+                    raise
                 except Exception as exc:  # noqa: BLE001 - it accepted a connection but is no etcd
                     causes.append(("refused", host, port, f"not an etcd server, or not healthy: {exc}"))
                     continue

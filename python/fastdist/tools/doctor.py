@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 from ..store import keys, rendezvous
-from ..store.etcd import parse_url
+from ..store.etcd import EtcdAccessError, make_client, parse_url, raise_refusal, security_of, tls_failure
 
 
 @dataclass
@@ -191,6 +191,7 @@ def run_etcd_checks(url: str, timeout: float) -> list[Check]:
     to the next one while one cannot be reached); every endpoint that cannot is a FAIL line."""
 
     endpoints, job, _ttl = parse_url(url)
+    sec = security_of(url)
     checks: list[Check] = []
     for host, port in endpoints:
         where = f"etcd {host}:{port}"
@@ -219,11 +220,20 @@ def run_etcd_checks(url: str, timeout: float) -> list[Check]:
             continue
         checks.append(Check("reach", True, f"{where}: TCP connect in {took * 1000:.2f} ms"))
         try:
-            from etcd3gw.client import Etcd3Client
+            from etcd3gw import exceptions as ex
 
-            client = Etcd3Client(host=ip, port=port, timeout=timeout)
+            client = make_client(host, port, sec, timeout=(timeout, timeout))
             t0 = time.monotonic()
-            client.get(f"/fastdist/{job}/__doctor__")
+            try:
+                client.get(f"/fastdist/{job}/__doctor__")
+            except (ex.ConnectionFailedError, ex.ConnectionTimeoutError) as exc:
+                tls = tls_failure(str(getattr(exc, "detail_text", None) or exc), sec)
+                if tls is None:
+                    raise
+                raise EtcdAccessError("certificate", f"{where}: {tls}") from None
+            except ex.Etcd3Exception as exc:
+                raise_refusal(exc, where, sec, job)
+                raise
             rtt = time.monotonic() - t0
             status = client.status()
             led = int(status.get("leader", 0)) != 0
@@ -237,6 +247,14 @@ def run_etcd_checks(url: str, timeout: float) -> list[Check]:
                     "" if led else "a majority of the cluster's members must be up",
                 )
             )
+        except EtcdAccessError as exc:
+            fix = {
+                "certificate": "check ca= (the CA that signed the server's certificate), cert= and key=",
+                "password": "check user= and FASTDIST_ETCD_PASSWORD",
+                "permission": f"grant the user's role READWRITE on the prefix /fastdist/{job}/ "
+                "(etcdctl role grant-permission)",
+            }[exc.part]
+            checks.append(Check(exc.part, False, str(exc), fix))
         except Exception as exc:  # noqa: BLE001 - whatever the server said is the verdict
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             checks.append(
