@@ -67,6 +67,19 @@ def test_the_error_says_where_each_rank_is_and_the_others_raise_at_once(tmp_path
     )
     assert "group 'default', generation 1: dumps from ranks 0, 1" in text, text
     assert "op #1 (barrier): finished on" not in text  # generation 1: both timed out in the same op
+    # The same dumps in torch's flight recorder format: torch's analyzer (torchfrtrace) finds the
+    # same first divergence, op #2, barrier on one rank and all_reduce on the other.
+    fr = subprocess.run(
+        [sys.executable, "-c", "from torch.distributed.flight_recorder.fr_trace import main; main()"]
+        + [str(dump_dir / "torchfr-default-gen0"), "--allow-incomplete-ranks"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    out = fr.stdout + fr.stderr
+    assert fr.returncode == 0, out
+    assert "Collective sequence number: 2 has errors" in out, out
+    assert "COLLECTIVE_TYPE_MISMATCH" in out and "'all_reduce'" in out and "'barrier'" in out, out
 
 
 def test_a_peer_fault_ends_ops_on_the_polled_path_too() -> None:

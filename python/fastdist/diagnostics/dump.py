@@ -5,6 +5,9 @@ groups times out or is ended by a peer's fault: the group, the error, the group'
 (:func:`fastdist.history`), where this rank's threads were, and the stacks the report gathered
 from the others. ``python -m fastdist report DIR`` reads every rank's file and prints, per group
 and generation, each rank's last ops and stack, and the first op where the ranks diverged.
+Each dump is also written in torch's flight recorder format (``torchfr-GROUP-genN/rank{R}``), so
+torch's own analyzer reads the same fault: ``torchfrtrace DIR/torchfr-default-gen0
+--allow-incomplete-ranks`` (the ranks that never faulted write no dump).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 import threading
 import time
@@ -54,10 +58,104 @@ def write(st: Any, pg: Any, err: BaseException) -> str | None:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(record, indent=1, default=str))
         tmp.replace(path)
-        return str(path)
     except Exception as exc:  # noqa: BLE001 - see the docstring
         print(f"fastdist: could not write the fault dump to {root}: {exc!r}", file=sys.stderr)
         return None
+    try:
+        write_flight_recorder(Path(root), st, pg, record["history"])
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        print(f"fastdist: could not write the flight recorder dump to {root}: {exc!r}", file=sys.stderr)
+    return str(path)
+
+
+# torch's flight recorder names (torch.distributed.flight_recorder.components.types.COLLECTIVES)
+# for the ops fastdist's history records under the names of torch's Python API.
+_FR_NAMES = {
+    "all_gather_into_tensor": "_all_gather_base",
+    "reduce_scatter_tensor": "_reduce_scatter_base",
+    "all_reduce_coalesced": "allreduce_coalesced",
+    "all_gather_coalesced": "ALLGATHER_coalesced",
+}
+FR_VERSION = "2.10"  # the dump format of torch's FlightRecorder.hpp that torchfrtrace reads
+
+
+def _fr_output_sizes(name: str, shape: list[int], size: int) -> list[list[int]]:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    if name == "_all_gather_base":
+        return [[numel * size]]
+    if name == "all_gather":
+        return [list(shape)] * size
+    if name == "_reduce_scatter_base":
+        return [[numel // max(size, 1)]]
+    return [list(shape)] if shape else []
+
+
+def flight_recorder_entries(name: str, backend: str, size: int, history: list[dict[str, Any]]) -> list[Any]:
+    """``history`` (fastdist.history()) as torch's flight recorder entries: one per collective,
+    in order, completed or (in flight at the fault) started. Sends and receives are left out: the
+    history does not keep their peer."""
+    out: list[dict[str, Any]] = []
+    for o in history:
+        op = _FR_NAMES.get(str(o["op"]), str(o["op"]))
+        if op in ("send", "recv", "coalesced"):
+            continue
+        shape = [int(d) for d in o["shape"]] if o.get("shape") is not None else None
+        ins = [shape] if shape is not None else []
+        outs = _fr_output_sizes(op, shape or [], size) if shape is not None else []
+        dtype = str(o.get("dtype") or "").removeprefix("torch.")
+        done = o.get("outcome") == "ok"
+        start = int(float(o["start"]) * 1e9) if o.get("start") is not None else 0
+        end = int(float(o["end"]) * 1e9) if o.get("end") is not None else None
+        out.append(
+            {
+                "record_id": len(out),
+                "pg_id": 0,
+                "process_group": (name, name),
+                "collective_seq_id": int(o["seq"]),
+                "p2p_seq_id": 0,
+                "op_id": int(o["seq"]),
+                "profiling_name": f"{backend}:{op}",
+                "time_created_ns": start,
+                "input_sizes": ins,
+                "output_sizes": outs,
+                "input_dtypes": [dtype] * len(ins),
+                "output_dtypes": [dtype] * len(outs),
+                "state": "completed" if done else "started",
+                "time_discovered_started_ns": start,
+                "time_discovered_completed_ns": end if done else None,
+                "retired": done,
+                "timeout_ms": 0,
+                "is_p2p": False,
+                "frames": [],
+            }
+        )
+    return out
+
+
+def write_flight_recorder(root: Path, st: Any, pg: Any, history: list[dict[str, Any]]) -> None:
+    """The same fault in torch's flight recorder format, which its analyzer reads
+    (``torchfrtrace DIR --allow-incomplete-ranks``): ``DIR`` is
+    ``FASTDIST_DUMP_DIR/torchfr-GROUP-genN``, one pickle per rank, ``rank{R}``."""
+    try:
+        backend = registry.backends_of(pg)[0].inner.name() if registry.backends_of(pg) else "gloo"
+    except Exception:  # noqa: BLE001 - a name is all this needs
+        backend = "gloo"
+    ranks = list(getattr(st, "global_ranks", None) or range(st.size))
+    dump = {
+        "version": FR_VERSION,
+        "pg_config": {st.name: {"name": st.name, "desc": st.name, "ranks": str(ranks)}},
+        "pg_status": {},
+        "entries": flight_recorder_entries(st.name, backend, st.size, history),
+    }
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in st.name)
+    where = root / f"torchfr-{safe}-gen{st.generation}"
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"rank{st.my_global_rank}"
+    tmp = where / f".tmp{os.getpid()}"
+    tmp.write_bytes(pickle.dumps(dump))
+    tmp.replace(path)
 
 
 def load(directory: str) -> dict[tuple[str, int], dict[int, dict[str, Any]]]:
