@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -112,3 +114,18 @@ def test_metrics_and_events_after_a_fault(tmp_path: Path) -> None:
             assert timeout["missing_ranks"] == [2] and 1.4 < timeout["detection"] < 3.0, records
         else:
             assert kinds[0] in ("timeout", "abort"), records  # late: the group was dead under it
+    # The same records, read by `fastdist report` as one timeline of the job.
+    files = [str(events).replace("{rank}", str(r)) for r in range(3)]
+    report = subprocess.run(
+        [sys.executable, "-m", "fastdist", "report", *files], capture_output=True, text=True, check=False
+    )
+    assert report.returncode == 0, report.stdout + report.stderr
+    text = report.stdout
+    assert text.startswith("events: ") and "from ranks 0, 1, 2" in text and "3 recovery" in text, text
+    for r in (0, 1):
+        assert re.search(
+            rf"rank {r} default gen 0: timeout in all_reduce #4: missing ranks \[2\]; detected after \d\.\d+",
+            text,
+        ), text
+    for r in range(3):
+        assert re.search(rf"rank {r} default gen 1: recovery: recovered in \d\.\d+ s", text), text

@@ -4,8 +4,9 @@ With ``FASTDIST_DUMP_DIR`` set, each rank writes one JSON file there when an op 
 groups times out or is ended by a peer's fault: the group, the error, the group's op history
 (:func:`fastdist.history`), where this rank's threads were, and the stacks the report gathered
 from the others. ``python -m fastdist report DIR`` reads every rank's file and prints, per group
-and generation, each rank's last ops and stack, and the first op where the ranks diverged.
-Each dump is also written in torch's flight recorder format (``torchfr-GROUP-genN/rank{R}``), so
+and generation, each rank's last ops and stack, and the first op where the ranks diverged; given
+``FASTDIST_EVENTS`` files (or finding ``*.jsonl`` in DIR), the events of every rank as one
+timeline. Each dump is also written in torch's flight recorder format (``torchfr-GROUP-genN/rank{R}``), so
 torch's own analyzer reads the same fault: ``torchfrtrace DIR/torchfr-default-gen0
 --allow-incomplete-ranks`` (the ranks that never faulted write no dump).
 """
@@ -230,14 +231,93 @@ def render(dumps: dict[tuple[str, int], dict[int, dict[str, Any]]]) -> str:
     return "\n".join(lines) if lines else "no fastdist dumps found"
 
 
+def load_events(paths: list[Path]) -> list[dict[str, Any]]:
+    """The records of ``FASTDIST_EVENTS`` files (one JSON object a line), oldest first."""
+    out: list[dict[str, Any]] = []
+    for path in paths:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                if isinstance(rec, dict) and "event" in rec and "time" in rec:
+                    out.append(rec)
+                    continue
+            except ValueError:
+                pass
+            print(f"skipping {path}:{n}: not a fastdist event", file=sys.stderr)
+    return sorted(out, key=lambda r: float(r["time"]))
+
+
+def _event_line(rec: dict[str, Any]) -> str:
+    when = (
+        time.strftime("%H:%M:%S", time.localtime(float(rec["time"])))
+        + f".{int(float(rec['time']) * 1000) % 1000:03d}"
+    )
+    head = f"{when} rank {rec.get('rank')} {rec.get('group')!s} gen {rec.get('generation')}: {rec['event']}"
+    op = (
+        f" in {rec['op']} #{rec['seq']}"
+        if rec.get("op") and rec.get("seq") is not None
+        else (f" in {rec['op']}" if rec.get("op") else "")
+    )
+    extra = []
+    if rec.get("missing_ranks"):
+        extra.append(f"missing ranks {rec['missing_ranks']}")
+    if rec.get("detection") is not None:
+        extra.append(f"detected after {float(rec['detection']):.3f} s")
+    if rec.get("recovery") is not None:
+        extra.append(f"recovered in {float(rec['recovery']):.3f} s")
+    if rec.get("joiners"):
+        extra.append(f"joiners {rec['joiners']}")
+    if rec.get("left_out"):
+        extra.append(f"left out {rec['left_out']}")
+    if rec.get("replaced_rank") is not None:
+        extra.append(f"replaced rank {rec['replaced_rank']}")
+    if rec.get("reason"):
+        extra.append(str(rec["reason"]).splitlines()[0][:160])
+    return head + op + (": " + "; ".join(extra) if extra else "")
+
+
+def render_events(records: list[dict[str, Any]]) -> str:
+    if not records:
+        return ""
+    counts: dict[str, int] = {}
+    for rec in records:
+        counts[str(rec["event"])] = counts.get(str(rec["event"]), 0) + 1
+    ranks = sorted({int(r["rank"]) for r in records if isinstance(r.get("rank"), int)})
+    lines = [
+        f"events: {len(records)} from ranks {', '.join(map(str, ranks))} ("
+        + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        + ")"
+    ]
+    lines += [f"  {_event_line(r)}" for r in records]
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", help="the FASTDIST_DUMP_DIR the ranks wrote to")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        help="the FASTDIST_DUMP_DIR the ranks wrote to, and/or FASTDIST_EVENTS files (*.jsonl; those "
+        "in a directory given are read too)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    if not Path(args.directory).is_dir():
-        print(f"fastdist report: {args.directory} is not a directory", file=sys.stderr)
-        return 2
-    dumps = load(args.directory)
-    print(render(dumps))
-    return 0 if dumps else 1
+    dumps: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    event_files: list[Path] = []
+    for given in args.paths:
+        path = Path(given)
+        if path.is_dir():
+            for key, ranks in load(str(path)).items():
+                dumps.setdefault(key, {}).update(ranks)
+            event_files += sorted(path.glob("*.jsonl"))
+        elif path.is_file():
+            event_files.append(path)
+        else:
+            print(f"fastdist report: {given} is neither a directory nor a file", file=sys.stderr)
+            return 2
+    events = load_events(event_files)
+    parts = ([render(dumps)] if dumps or not events else []) + ([render_events(events)] if events else [])
+    print("\n".join(parts))
+    return 0 if dumps or events else 1
