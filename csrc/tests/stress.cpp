@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "../engine.h"
+#include "../engine/engine.h"
 
 using fastdist::Engine;
 using fastdist::Nanos;

@@ -37,7 +37,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../engine.h"
+#include "../engine/engine.h"
 
 namespace fastdist::watched {
 
