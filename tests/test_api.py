@@ -360,36 +360,55 @@ def test_import_starts_no_thread_and_imports_nothing_heavy() -> None:
     assert rpc_loaded == "False"
 
 
-@pytest.mark.timeout(300)
-def test_every_benchmark_runs_once_in_smoke_mode() -> None:
+# bench/ in three parts of about 50 s each, so that the suite's two workers share them.
+_BENCH_PARTS = {
+    "snapshots-and-costs": (
+        "test_snapshot.py",
+        "test_scope_cost.py",
+        "test_scale.py",
+        "test_timers.py",
+        "test_engine_cost.py",
+    ),
+    "deaths-and-exits": ("test_exit_time.py", "test_replace.py", "test_reaping.py"),
+    "faults-and-stores": (
+        "test_etcd_store.py",
+        "test_report_scale.py",
+        "test_propagation.py",
+        "test_detection.py",
+        "test_overhead.py",
+        "test_recovery_time.py",
+    ),
+}
+
+
+def test_the_benchmark_parts_cover_bench() -> None:
+    import pathlib
+
+    files = {p.name for p in (pathlib.Path(__file__).resolve().parent.parent / "bench").glob("test_*.py")}
+    listed = [f for part in _BENCH_PARTS.values() for f in part]
+    assert sorted(listed) == sorted(files), sorted(files ^ set(listed))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("part", sorted(_BENCH_PARTS))
+def test_every_benchmark_runs_once_in_smoke_mode(part: str) -> None:
     """bench/ must not rot: each benchmark runs once, tiny, without asserting timings."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent
+    files = [f"bench/{name}" for name in _BENCH_PARTS[part]]
     # Without this worker's PYTEST_XDIST_* variables: pytest-benchmark reads them as "xdist is
     # on" and warns (an error under this project's filterwarnings).
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PYTEST_XDIST")}
     env["FASTDIST_BENCH_SMOKE"] = "1"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "bench",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--benchmark-disable",
-            "-s",
-            "-rs",
-            "-o",
-            "addopts=",
-        ],
+        [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "--benchmark-disable"]
+        + ["-s", "-rs", "-o", "addopts="],
         cwd=root,
         env=env,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=220,
         check=False,
     )
     out = proc.stdout
@@ -399,7 +418,7 @@ def test_every_benchmark_runs_once_in_smoke_mode() -> None:
     import re
 
     collected = subprocess.run(
-        [sys.executable, "-m", "pytest", "bench", "-q", "--collect-only", "-p", "no:cacheprovider"]
+        [sys.executable, "-m", "pytest", *files, "-q", "--collect-only", "-p", "no:cacheprovider"]
         + ["-o", "addopts="],
         cwd=root,
         env=env,
@@ -414,7 +433,7 @@ def test_every_benchmark_runs_once_in_smoke_mode() -> None:
     assert all("needs a GPU" in why for _, why in skips), skips  # only the GPU-only ones may skip
     assert passed + len(skips) == n and passed >= n - 4, (n, passed, skips)
     ratios = [float(r) for r in re.findall(r"ratio (\d+\.\d+)", out)]
-    assert len(ratios) >= 9 and all(0 < r < 100 for r in ratios), out[-3000:]
+    assert len(ratios) >= 3 and all(0 < r < 100 for r in ratios), out[-3000:]
 
 
 def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
