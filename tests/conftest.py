@@ -4,3 +4,31 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# The longest tests (tens of seconds to two minutes each on 2 cores) start first, half of them
+# on each of the two workers: pytest-xdist's worksteal gives each worker a contiguous half of the
+# collection at first and steals from a list's end, so each half begins with its share of the
+# long tests, and the workers end on short ones instead of one finishing a long one alone.
+_LONGEST_FIRST = (
+    "test_torch_suite.py::",
+    "test_every_benchmark_runs_once_in_smoke_mode",
+    "test_two_adjacent_deaths",
+    "test_trainer_under_lightnings_launcher",
+    "test_partitions_loss_and_a_flapping_link",
+    "test_demo_names_the_stalled_rank",
+    "test_trainer_fsdp2_under_torchrun",
+)
+
+
+def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
+    def rank(item: object) -> int:
+        node = str(getattr(item, "nodeid", ""))
+        return next((i for i, key in enumerate(_LONGEST_FIRST) if key in node), len(_LONGEST_FIRST))
+
+    longest = sorted((it for it in items if rank(it) < len(_LONGEST_FIRST)), key=rank)
+    rest = [it for it in items if rank(it) == len(_LONGEST_FIRST)]
+    first, second = longest[0::2], longest[1::2]
+    half = (len(items) + 1) // 2
+    cut = max(0, half - len(first))
+    items[:] = first + rest[:cut] + second + rest[cut:]

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 STEPS = 12
+KILL_STEP = [-1]  # --kill-step, for train()
 
 
 def build(mesh: Any, ddp: bool = False) -> tuple[Any, Any]:
@@ -54,6 +55,11 @@ def train(
 ) -> None:
     """``ckpt``: (directory, every): a checkpoint on disk every that many steps."""
     while progress.step < STEPS:
+        if snap is not None and progress.step == KILL_STEP[0]:
+            # The kill in this step comes after the last snapshot counted everywhere (its exchange
+            # runs on a thread and may still be in flight on a loaded machine); a kill during an
+            # exchange is the --kill-in-snapshot case.
+            snap.wait()
         try:
             with fastdist.fail_after(5):
                 opt.zero_grad()
@@ -95,6 +101,7 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, help="save it every N steps")
     p.add_argument("--resume", action="store_true", help="load it first (a restart)")
     args = p.parse_args()
+    KILL_STEP[0] = args.kill_step if args.kill_in_snapshot < 0 else -1
     fastdist.init_process_group("gloo")  # a spare returns once it holds a dead rank's slot
     rank = fastdist.get_rank()
     world = fastdist.get_world_size()
