@@ -175,7 +175,10 @@ def test_rendezvous_names_a_rank_that_never_comes_and_refuses_one_after_close() 
     for rank in (0, 1):
         err, took = out[rank]
         assert isinstance(err, RendezvousTimeoutError) and isinstance(err, TimeoutError), err
-        assert 1.0 <= took < 1.5
+        # (the first rank whose timeout passes writes the outcome and the other raises on reading
+        # it, so a rank that started a few ms later ends that much before its own second: 0.998 s
+        # in a fresh-clone run on a machine at a fifth of its speed)
+        assert 0.95 <= took < 1.5
         assert (err.joined, err.world_size, err.missing_ranks) == (2, 3, [2])
         assert str(err).endswith("2 of 3 ranks joined; missing: rank 2")
     with pytest.raises(RendezvousClosedError, match="rank 2 arrived after the rendezvous closed"):
