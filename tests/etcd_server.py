@@ -18,9 +18,17 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 
 def etcd_binary() -> str | None:
     return os.environ.get("FASTDIST_ETCD") or shutil.which("etcd")
+
+
+NEEDS_ETCD = pytest.mark.skipif(
+    etcd_binary() is None,
+    reason="no etcd binary (apt-get install etcd-server, or set FASTDIST_ETCD); .ci/run installs it",
+)
 
 
 def _free_ports(n: int) -> list[int]:

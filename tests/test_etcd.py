@@ -18,10 +18,7 @@ from mp import describe, free_port, run_ranks
 
 pytestmark = [
     pytest.mark.timeout(150),
-    pytest.mark.skipif(
-        etcd_server.etcd_binary() is None,
-        reason="no etcd binary (apt-get install etcd-server, or set FASTDIST_ETCD); .ci/run installs it",
-    ),
+    etcd_server.NEEDS_ETCD,
 ]
 
 

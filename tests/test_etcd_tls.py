@@ -23,10 +23,7 @@ from fastdist.tools.doctor import run_etcd_checks
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(
-        etcd_server.etcd_binary() is None,
-        reason="no etcd binary (apt-get install etcd-server, or set FASTDIST_ETCD); .ci/run installs it",
-    ),
+    etcd_server.NEEDS_ETCD,
 ]
 
 

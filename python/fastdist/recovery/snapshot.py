@@ -462,9 +462,3 @@ class PeerSnapshot:
     def load(self, dicts: Mapping[str, Any]) -> None:
         """Loads a snapshot's state dicts (this rank's own, or its predecessor's) into ``state``."""
         load_into(self.state, dicts)
-
-    def forget(self) -> None:
-        self.halt()
-        with self._lock:
-            self._held = {}
-            self._pending = None
