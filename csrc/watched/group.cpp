@@ -168,7 +168,13 @@ std::exception_ptr GroupCtl::fault(const FaultInfo& info) {
   fault_state_ = 1;
   lk.unlock();
   std::exception_ptr err;
-  if (builder()) err = builder()(id(), info);
+  if (info.kind == "timeout" && !info.probe) {
+    FaultInfo probed = info;
+    probed.probe = probe_gil(info);
+    if (builder()) err = builder()(id(), probed);
+  } else if (builder()) {
+    err = builder()(id(), info);
+  }
   if (!err) err = plain_error(info.op + " #" + std::to_string(info.seq) + " on group '" + name + "' " + info.kind);
   lk.lock();
   fault_error_ = err;

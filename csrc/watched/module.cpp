@@ -35,8 +35,12 @@ Nanos seconds_arg(double seconds, const char* name) {
 std::exception_ptr build_fault(std::uintptr_t ctl, const FaultInfo& info) {
   if (python_finalizing() || py_builder().ptr() == nullptr) return nullptr;
   py::gil_scoped_acquire gil;
+  // (first: whether C++ reported this timeout because the GIL did not come in time)
+  const bool native = info.probe && info.probe->enter();
   try {
     py::dict d;
+    d["native"] = native;
+    d["thread"] = info.thread;
     d["kind"] = info.kind;
     d["op"] = info.op;
     d["seq"] = info.seq;
@@ -191,6 +195,31 @@ PYBIND11_MODULE(_watched, m) {
             return true;
           },
           py::arg("detail"), py::arg("reason"), py::call_guard<py::gil_scoped_release>())
+      // The report C++ makes at a deadline when Python cannot run (NativeReport); `store` must
+      // be one that runs no Python (the caller checks).
+      .def(
+          "set_native_report",
+          [](const WatchedBackend& b, c10d::Store& store, const std::string& group, std::int64_t generation, int rank,
+             int global_rank, const std::string& fault_key, const std::string& status_key,
+             const std::string& count_key, std::vector<std::string> inboxes) {
+            auto r = std::make_shared<NativeReport>();
+            r->store = c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store);
+            r->group = group;
+            r->generation = generation;
+            r->rank = rank;
+            r->global_rank = global_rank;
+            r->fault_key = fault_key;
+            r->status_key = status_key;
+            r->count_key = count_key;
+            r->inboxes = std::move(inboxes);
+            b.ctl()->set_native_report(std::move(r));
+          },
+          py::arg("store"), py::arg("group"), py::arg("generation"), py::arg("rank"), py::arg("global_rank"),
+          py::arg("fault_key"), py::arg("status_key"), py::arg("count_key"), py::arg("inboxes"))
+      .def("clear_native_report", [](const WatchedBackend& b) { b.ctl()->set_native_report(nullptr); })
+      .def(
+          "native_posted", [](const WatchedBackend& b, std::int64_t generation) { return b.ctl()->native_posted(generation); },
+          py::arg("generation"))
       .def_property(
           "default_timeout",
           [](const WatchedBackend& b) { return nanos_to_seconds(b.ctl()->default_timeout.load()); },

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
@@ -54,6 +55,7 @@ Nanos scope_deadline();
 void set_main_thread(unsigned long ident);
 
 class WatchedWork;
+class GilProbe;
 
 // What the Python side is told about a fault, and answers with the exception to raise.
 struct FaultInfo {
@@ -65,6 +67,52 @@ struct FaultInfo {
   std::string detail;   // the backend's words, or the dead reason
   std::string prev;     // "op #n" of the op before seq, or ""
   bool waiter = false;  // built on a thread that waits for the op (it may run the handler)
+  unsigned long thread = 0;  // pthread id of the thread that issued the op
+  // A timeout's: whether Python got the GIL in time to report it, else the report made in C++
+  // (see NativeReport). Null for the other kinds.
+  std::shared_ptr<GilProbe> probe;
+};
+
+// What a rank whose Python cannot run at a deadline (a thread holds the GIL in a long C call)
+// still does, in C++, kGilWait after it: the first steps of fastdist.diagnostics.board's
+// report, the same records in the same keys. It claims the group's fault, rings its children in
+// the ring tree (their inboxes) and posts its status ("timed_out", with "gil": true), so the other
+// ranks raise at once, naming this rank as the one that timed out, instead of waiting for it and
+// then calling it dead. Set by Python for each generation of the group, only on a store that runs
+// no Python (TCPStore, FileStore, HashStore, a PrefixStore over one of those).
+struct NativeReport {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string group;
+  std::int64_t generation = 0;
+  int rank = 0;         // in the group
+  int global_rank = 0;  // in the job
+  std::string fault_key, status_key, count_key;
+  std::vector<std::string> inboxes;  // of this rank's children when it rings
+  mutable std::atomic<bool> posted{false};
+};
+
+// How long a timeout's report waits for the GIL before C++ makes it: Python switches threads
+// every 5 ms, so only a call that holds the GIL throughout (or a starved machine) takes longer.
+// (Within the other ranks' report window, min(1 s, 10% of their op's budget), so that a rank
+// whose op fails when this rank's backend closes the group still reads this status.)
+constexpr Nanos kGilWait = 200'000'000;
+
+// Decides, once, between Python's report of a fault and the one made in C++.
+class GilProbe {
+ public:
+  // The builder got the GIL: true if C++ had reported already.
+  bool enter();
+  // Waits up to `wait` for the builder; true (C++ must report) if it did not come.
+  bool expire(Nanos wait);
+  // When the builder got the GIL (steady clock; 0 while it has not).
+  Nanos entered_at() const { return entered_at_.load(); }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false;
+  bool native_ = false;
+  std::atomic<Nanos> entered_at_{0};
 };
 
 // Builds a FaultError (see errors.cpp) from the Python error currently set; needs the GIL.
@@ -145,6 +193,14 @@ class GroupCtl {
   // The exception to refuse a new op with on a dead group.
   std::exception_ptr refusal(const char* op);
 
+  // The report C++ makes when Python cannot run at a deadline (null: none).
+  void set_native_report(std::shared_ptr<const NativeReport> report);
+  // Whether C++ posted this rank's status for `generation` (Python then does not post again).
+  bool native_posted(std::int64_t generation);
+  // For a timeout about to be built: a probe that reports in C++ if Python does not get the GIL
+  // within kGilWait (null when no NativeReport is set, or it was used already).
+  std::shared_ptr<GilProbe> probe_gil(const FaultInfo& info);
+
   void track(const c10::intrusive_ptr<WatchedWork>& w);
   void untrack(WatchedWork* w);
   std::vector<c10::intrusive_ptr<WatchedWork>> inflight();
@@ -158,6 +214,7 @@ class GroupCtl {
   bool dead_ = false;
   std::string dead_reason_;
   int fault_state_ = 0;  // 0 none, 1 being built, 2 delivered
+  std::shared_ptr<const NativeReport> native_;
   std::exception_ptr fault_error_;
   // Weak: a work nobody holds any more ends its watch (release_resources) and leaves here.
   std::unordered_map<WatchedWork*, c10::weak_intrusive_ptr<WatchedWork>> inflight_;

@@ -127,6 +127,7 @@ FaultInfo WatchedWork::info(const std::string& kind, const std::string& detail, 
   fi.detail = detail;
   fi.prev = ctl_->prev_of(seq_);
   fi.waiter = waiter;
+  fi.thread = thread_;
   return fi;
 }
 

@@ -19,6 +19,7 @@ from . import (
 )
 from .deadlines import RendezvousTimeout, validate_seconds
 from .diagnostics import board, listener
+from .groups import pgstate
 from .ops import watching
 from .recovery import joining, wrappers
 from .recovery.recover import LINEAGE_PROBE, lineage
@@ -200,6 +201,9 @@ def init_process_group(
         else:
             lineage["root"].set(LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
     metrics.serve_from_environment()
+    # The default group's state now, not on fastdist's arming thread: a first op may follow at
+    # once, in a thread that then holds the GIL (see fastdist.diagnostics.board.arm_native).
+    pgstate.state_of(dist.distributed_c10d._get_default_group())
     if joiner:
         logger.info("rank %d joins the running job: call fastdist.sync_state(state) to take its place", rank)
         return

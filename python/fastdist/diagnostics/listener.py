@@ -164,8 +164,8 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
             str(fault.get("state")), "failed in"
         )
         reason = (
-            f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']} and aborted group {st.name!r} "
-            "while this rank was in no op on it"
+            f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']}{ring.gil_note(fault)} and aborted "
+            f"group {st.name!r} while this rank was in no op on it"
         )
         if isinstance(fault.get("dead"), str):
             reason = f"{fault['dead']}; {reason}"

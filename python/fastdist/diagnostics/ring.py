@@ -53,6 +53,17 @@ def dead_of(record: dict[str, Any]) -> frozenset[int]:
     return frozenset(r for r in ranks if isinstance(r, int)) if isinstance(ranks, list) else frozenset()
 
 
+def gil_note(record: dict[str, Any]) -> str:
+    """For a fault record that C++ made because the ringer's Python could not run at its deadline
+    (``"gil": true``; see ``NativeReport`` in csrc/watched/watched.h): says so, else ``""``."""
+    if record.get("gil") is not True:
+        return ""
+    return (
+        " (its Python could not run within 0.2 s of its deadline: a thread there held the GIL, or its "
+        "host was starved; fastdist reported it from C++)"
+    )
+
+
 def ring(st: GroupState, status: dict[str, Any]) -> None:
     """Rings the group of ``st``: this rank reported its fault first (``status``: its record)."""
     if st.store is None:

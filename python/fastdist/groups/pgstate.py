@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,10 +51,10 @@ class GroupState:
 
     __slots__ = (
         "__weakref__",
+        "_generation",
         "_ops",
         "backend",
         "dead_reason",
-        "generation",
         "global_ranks",
         "is_default",
         "name",
@@ -81,7 +82,7 @@ class GroupState:
         # Why the group is dead, as text: an exception object would keep the frames of the call
         # that failed, and with them the dead group itself, alive for good.
         self.dead_reason: str | None = None
-        self.generation = _generations.get(self.name, 0)
+        self._generation = _generations.get(self.name, 0)
         self.backend = backend_name(pg)
         # NCCL-like: works must be polled for completion, and aborted at the deadline.
         self.polled = self.backend in POLLED_BACKENDS
@@ -91,6 +92,17 @@ class GroupState:
         self.watched = watched_backend(pg)
         # The thread in a blocking fastdist call on the group, if any (see collectives).
         self.owner: int | None = None
+        _generation_began(self)
+
+    @property
+    def generation(self) -> int:
+        """The group's generation: 0, then one more for each recovery that rebuilt it."""
+        return self._generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._generation = value
+        _generation_began(self)
 
     def begin(self, op: str) -> int:
         """Numbers the next op on this group (1, 2, ...): the same on every rank in step."""
@@ -112,6 +124,19 @@ class GroupState:
     @property
     def my_global_rank(self) -> int:
         return self.global_rank(self.rank)
+
+
+# Called with a group's state when it is made and whenever its generation changes (a higher
+# layer registers them: fastdist.diagnostics.board arms the report C++ makes without Python).
+GENERATION_HOOKS: list[Callable[[GroupState], None]] = []
+
+
+def _generation_began(st: GroupState) -> None:
+    for hook in GENERATION_HOOKS:
+        try:
+            hook(st)
+        except Exception as exc:  # noqa: BLE001 - a hook's failure must not fail the group
+            logger.warning("fastdist: a generation hook failed on group %r: %r", st.name, exc)
 
 
 _lock = threading.Lock()
@@ -207,6 +232,11 @@ def _global_ranks(pg: Any) -> list[int] | None:
         return list(dist.get_process_group_ranks(pg))
     except (RuntimeError, ValueError, KeyError):
         return None
+
+
+def known_groups() -> Any:
+    """The groups torch has finished making (it records their ranks last)."""
+    return _world.pg_group_ranks
 
 
 def _default_store() -> Any | None:

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import ProcessGroup
 
 from .._native import _core, _watched
 from ..deadlines import current_time, get_default_timeout, run_timeout_handler
-from ..diagnostics import board, dump, events, verdict
+from ..diagnostics import board, dump, events, ring, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError, remember
 from ..groups import checks, pgstate, registry
 from ..groups.opcall import OpCall
@@ -92,7 +92,52 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
     wrapper = WatchedBackend(backend, "", float(timeout), is_polled)
     per_pg[id(backend)] = wrapper
     registry.add(wrapper.ctl_id, pg, device)
+    _arm_later(pg)
     return wrapper
+
+
+# Groups whose state is made (and with it the report C++ makes when Python cannot run, see
+# fastdist.diagnostics.board.arm_native) once torch has finished making them: torch registers a
+# group's backend before it records the group's ranks, and the state needs those.
+_unarmed: list[weakref.ref[Any]] = []
+_armer: threading.Thread | None = None
+_ARM_POLL = 0.02
+_ARM_GIVE_UP = 5.0
+
+
+def _arm_later(pg: Any) -> None:
+    global _armer
+    with _lock:
+        _unarmed.append(weakref.ref(pg))
+        if _armer is None or not _armer.is_alive():
+            _armer = threading.Thread(target=_arm_pending, name="fastdist-arm", daemon=True)
+            _armer.start()
+
+
+def _arm_pending() -> None:
+    since: dict[int, float] = {}
+    while True:
+        time.sleep(_ARM_POLL)
+        with _lock:
+            pending = list(_unarmed)
+        if not pending:
+            with _lock:
+                if not _unarmed:
+                    return
+            continue
+        done = []
+        for ref in pending:
+            pg = ref()
+            if pg is None:
+                done.append(ref)
+            elif pg in pgstate.known_groups():
+                pgstate.state_of(pg)  # its making arms it (pgstate.GENERATION_HOOKS)
+                done.append(ref)
+            elif time.monotonic() - since.setdefault(id(ref), time.monotonic()) > _ARM_GIVE_UP:
+                done.append(ref)  # a backend made outside a torch group: nothing to arm
+        with _lock:
+            for ref in done:
+                _unarmed.remove(ref)
 
 
 def activate(user_timeout: float | None) -> None:
@@ -191,6 +236,8 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
         if rep is None and board.store_failure is not None:
             cause = board.store_gone_reason()
+        if info.get("native"):
+            cause = _gil_held(info, deadline) + (f"; {cause}" if cause else "")
         err: BaseException = verdict.timeout_error(call, rep, cause)
         _run_handler(err, info["waiter"])
         return err
@@ -252,12 +299,28 @@ def _remote_fault(call: OpCall, info: dict[str, Any]) -> BaseException:
         rep = board.report(
             st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, rung=True
         )
-        err = verdict.timeout_error(call, rep, f"{who} timed out first")
+        err = verdict.timeout_error(call, rep, f"{who} timed out first{ring.gil_note(peer)}")
         _run_handler(err, info["waiter"])
         return err
     verb = "timed out in" if peer.get("state") == "timed_out" else "failed in"
     return _aborted(
-        pg, st, op, f"{who} {verb} {what} and aborted group {st.name!r} while this rank was in {op} #{seq}"
+        pg,
+        st,
+        op,
+        f"{who} {verb} {what}{ring.gil_note(peer)} and aborted group {st.name!r} "
+        f"while this rank was in {op} #{seq}",
+    )
+
+
+def _gil_held(info: dict[str, Any], deadline: float) -> str:
+    """Why a timeout is raised late: Python could not run when the deadline passed (C++ reported
+    it then, see fastdist.diagnostics.board.arm_native)."""
+    issuer = threading._active.get(int(info.get("thread") or 0))  # type: ignore[attr-defined]
+    who = f"thread {issuer.name!r}, which issued the op," if issuer is not None else "a thread"
+    return (
+        f"its deadline passed while the GIL was held and Python could not run here for "
+        f"{max(0.0, current_time() - deadline):.1f} s after it ({who} or another thread was in a long "
+        "call that does not release the GIL); fastdist told the other ranks from C++ at the deadline"
     )
 
 
