@@ -10,6 +10,9 @@
 
 namespace fastdist::watched {
 
+double gloo_budget(double budget) { return budget + std::min(1.0, std::max(0.1, 0.1 * budget)); }
+
+
 namespace {
 
 std::mutex& backends_mu() {
@@ -119,7 +122,7 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
     // step. Say so, as for a timeout.
     const std::uint64_t seq = ctl_->begin(op, now, ins);
     FaultInfo fi;
-    fi.kind = "timeout";
+    fi.kind = FaultKind::kTimeout;
     fi.op = op;
     fi.seq = seq;
     fi.start = nanos_to_seconds(now);
@@ -131,11 +134,8 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
   }
   Opts o = opts;
   if (!ctl_->polled && deadline != kNever) {
-    // gloo gives up `grace` after fastdist's deadline, freeing its worker thread: 10% of the
-    // budget, between 0.1 and 1 s (the skew between ranks' deadlines is absorbed by it).
-    const double budget = nanos_to_seconds(deadline - now);
-    const double grace = std::min(1.0, std::max(0.1, 0.1 * budget));
-    const double ms = std::ceil((budget + grace) * 1000.0);
+    // gloo gives up a little after fastdist's deadline, freeing its worker thread.
+    const double ms = std::ceil(gloo_budget(nanos_to_seconds(deadline - now)) * 1000.0);
     if (ms < 1e12) {
       auto t = std::chrono::milliseconds(static_cast<std::int64_t>(ms));
       if (o.timeout == c10d::kUnsetTimeout || t < o.timeout) o.timeout = t;

@@ -154,9 +154,9 @@ std::exception_ptr GroupCtl::fault(const FaultInfo& info) {
   if (!dead_) {
     dead_ = true;
     dead_reason_ = info.op + " #" + std::to_string(info.seq) + " " +
-                   (info.kind == "timeout"       ? "timed out"
-                    : info.kind == "interrupted" ? "was interrupted"
-                    : info.kind == "remote"      ? "ended by a peer's fault"
+                   (info.kind == FaultKind::kTimeout       ? "timed out"
+                    : info.kind == FaultKind::kInterrupted ? "was interrupted"
+                    : info.kind == FaultKind::kRemote      ? "ended by a peer's fault"
                                                  : "failed") +
                    " on rank " + std::to_string(rank);
   }
@@ -168,14 +168,15 @@ std::exception_ptr GroupCtl::fault(const FaultInfo& info) {
   fault_state_ = 1;
   lk.unlock();
   std::exception_ptr err;
-  if (info.kind == "timeout" && !info.probe) {
+  if (info.kind == FaultKind::kTimeout && !info.probe) {
     FaultInfo probed = info;
     probed.probe = probe_gil(info);
     if (builder()) err = builder()(id(), probed);
   } else if (builder()) {
     err = builder()(id(), info);
   }
-  if (!err) err = plain_error(info.op + " #" + std::to_string(info.seq) + " on group '" + name + "' " + info.kind);
+  if (!err) err = plain_error(info.op + " #" + std::to_string(info.seq) + " on group '" + name + "' " +
+                         fault_kind_name(info.kind));
   lk.lock();
   fault_error_ = err;
   fault_state_ = 2;
@@ -187,7 +188,7 @@ std::exception_ptr GroupCtl::fault(const FaultInfo& info) {
 
 std::exception_ptr GroupCtl::refusal(const char* op) {
   FaultInfo info;
-  info.kind = "refused";
+  info.kind = FaultKind::kRefused;
   info.op = op;
   info.detail = dead_reason();
   if (builder()) {
@@ -195,6 +196,35 @@ std::exception_ptr GroupCtl::refusal(const char* op) {
     if (err) return err;
   }
   return plain_error(std::string(op) + " on group '" + name + "': the group is aborted (" + info.detail + ")");
+}
+
+const char* fault_kind_name(FaultKind kind) {
+  switch (kind) {
+    case FaultKind::kTimeout:
+      return "timeout";
+    case FaultKind::kBackend:
+      return "backend";
+    case FaultKind::kInterrupted:
+      return "interrupted";
+    case FaultKind::kRefused:
+      return "refused";
+    case FaultKind::kRemote:
+      return "remote";
+  }
+  return "?";
+}
+
+bool GroupCtl::fail_remote(const std::string& detail, const std::string& reason) {
+  c10::intrusive_ptr<WatchedWork> oldest;
+  for (auto& w : inflight()) {
+    if (!w->ended() && (!oldest || w->op_seq() < oldest->op_seq())) oldest = w;
+  }
+  if (!oldest) {
+    mark_dead(reason);
+    return false;
+  }
+  oldest->fail_remote(detail);
+  return true;
 }
 
 void GroupCtl::track(const c10::intrusive_ptr<WatchedWork>& w) {

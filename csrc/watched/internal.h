@@ -15,6 +15,13 @@ namespace fastdist::watched {
 std::exception_ptr plain_error(const std::string& what);
 std::string what_of(const std::exception_ptr& e);
 
+// backend.cpp: how long gloo itself may take over an op with `budget` seconds left to its
+// deadline, in seconds: the budget plus a grace of 10% of it, between 0.1 and 1 s, so that the
+// engine sees the deadline first on every rank (the skew between their deadlines is absorbed by
+// the grace) and a dead group's worker thread is freed soon after. The one rule for gloo's
+// per-call timeout, posted ops' waits, and fastdist's own calls on unwatched groups (bound).
+double gloo_budget(double budget);
+
 // scopes.cpp: the deadline fastdist's own functions hand the next op (set_next_deadline).
 bool has_next_deadline();
 bool take_next_deadline(Nanos& out);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "internal.h"
 #include "solo.h"
 #include "watched.h"
 
@@ -86,6 +87,12 @@ PYBIND11_MODULE(_watched, m) {
   py::module_::import("torch.distributed");
 
   set_fault_builder(&build_fault);
+  py::enum_<FaultKind>(m, "FaultKind", "What kind of fault an op met (csrc/watched/watched.h).")
+      .value("TIMEOUT", FaultKind::kTimeout)
+      .value("BACKEND", FaultKind::kBackend)
+      .value("INTERRUPTED", FaultKind::kInterrupted)
+      .value("REFUSED", FaultKind::kRefused)
+      .value("REMOTE", FaultKind::kRemote);
 
   m.def("set_engine", [](py::capsule cap) {
     auto* engine = static_cast<std::shared_ptr<Engine>*>(cap.get_pointer());
@@ -106,6 +113,7 @@ PYBIND11_MODULE(_watched, m) {
     PyErr_WriteUnraisable(where.ptr());
   });
   m.def("abandoned_inflight", &abandoned_inflight);
+  m.def("gloo_budget", &gloo_budget, py::arg("budget"));
   m.def("install_sigint_hook", &install_sigint_hook);
   m.def("keep_dead_backends", &keep_dead_backends);
   m.def("clear_next_deadline", &clear_next_deadline);
@@ -177,22 +185,11 @@ PYBIND11_MODULE(_watched, m) {
              std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return std::get<1>(x) < std::get<1>(y); });
              return out;
            })
-      // A peer reported a fault on the group (`detail`: its record): the oldest op in flight fails
-      // with the error the builder makes of it, and every other op with it (the group's fault);
-      // with none in flight, the group is only marked dead (`reason`). True if an op was failed.
+      // A peer reported a fault on the group (`detail`: its record): GroupCtl::fail_remote.
       .def(
           "fail_remote",
           [](const WatchedBackend& b, const std::string& detail, const std::string& reason) {
-            c10::intrusive_ptr<WatchedWork> oldest;
-            for (auto& w : b.ctl()->inflight()) {
-              if (!w->ended() && (!oldest || w->op_seq() < oldest->op_seq())) oldest = w;
-            }
-            if (!oldest) {
-              b.ctl()->mark_dead(reason);
-              return false;
-            }
-            oldest->fail_remote(detail);
-            return true;
+            return b.ctl()->fail_remote(detail, reason);
           },
           py::arg("detail"), py::arg("reason"), py::call_guard<py::gil_scoped_release>())
       // The report C++ makes at a deadline when Python cannot run (NativeReport); `store` must

@@ -44,7 +44,7 @@ void interrupt_loop() {
       // Ops that torch's C++ waits on (DDP's buckets): end them, so the main thread gets back to
       // Python, where Python's own handler raises the KeyboardInterrupt.
       FaultInfo fi;
-      fi.kind = "interrupted";
+      fi.kind = FaultKind::kInterrupted;
       fi.op = "op";
       fi.seq = ctl->seq();
       fi.detail = "interrupted (SIGINT)";

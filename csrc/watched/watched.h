@@ -57,9 +57,19 @@ void set_main_thread(unsigned long ident);
 class WatchedWork;
 class GilProbe;
 
+// What kind of fault an op met; Python sees the same enum (fastdist._watched.FaultKind).
+enum class FaultKind : std::uint8_t {
+  kTimeout,      // its deadline passed
+  kBackend,      // the inner backend failed it
+  kInterrupted,  // Ctrl-C
+  kRefused,      // issued on a dead group
+  kRemote,       // a peer's fault ended it
+};
+const char* fault_kind_name(FaultKind kind);
+
 // What the Python side is told about a fault, and answers with the exception to raise.
 struct FaultInfo {
-  std::string kind;    // "timeout", "backend", "interrupted", "refused"
+  FaultKind kind = FaultKind::kTimeout;
   std::string op;
   std::uint64_t seq = 0;
   double start = 0;     // engine clock, seconds
@@ -201,6 +211,11 @@ class GroupCtl {
   // within kGilWait (null when no NativeReport is set, or it was used already).
   std::shared_ptr<GilProbe> probe_gil(const FaultInfo& info);
 
+  // A peer reported a fault on the group (`detail`: its record): the oldest op in flight fails
+  // with the error the builder makes of it, and every other op with it (the group's fault); with
+  // none in flight, the group is only marked dead (`reason`). True if an op was failed.
+  bool fail_remote(const std::string& detail, const std::string& reason);
+
   void track(const c10::intrusive_ptr<WatchedWork>& w);
   void untrack(WatchedWork* w);
   std::vector<c10::intrusive_ptr<WatchedWork>> inflight();
@@ -264,7 +279,7 @@ class WatchedWork : public c10d::Work {
 
 
  private:
-  FaultInfo info(const std::string& kind, const std::string& detail, bool waiter) const;
+  FaultInfo info(FaultKind kind, const std::string& detail, bool waiter) const;
   void finish_locked(std::exception_ptr error, std::unique_lock<std::mutex>& lk);
   void trigger_fault_async(FaultInfo info);
   bool wait_posted(std::chrono::milliseconds timeout);

@@ -5,6 +5,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <thread>
 
@@ -80,8 +81,7 @@ void WatchedWork::arm() {
     std::chrono::milliseconds budget = kNoTimeout;
     if (deadline_ != kNever) {
       const double left = nanos_to_seconds(std::max<Nanos>(deadline_ - now, 0));
-      const double grace = std::min(1.0, std::max(0.1, 0.1 * left));
-      budget = std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil((left + grace) * 1000.0)));
+      budget = std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(gloo_budget(left) * 1000.0)));
     }
     auto inner = inner_;
     std::thread([self, inner, budget]() mutable {
@@ -114,10 +114,10 @@ bool WatchedWork::ended() const {
 }
 
 std::exception_ptr WatchedWork::fail_remote(const std::string& detail) {
-  return ctl_->fault(info("remote", detail, false));
+  return ctl_->fault(info(FaultKind::kRemote, detail, false));
 }
 
-FaultInfo WatchedWork::info(const std::string& kind, const std::string& detail, bool waiter) const {
+FaultInfo WatchedWork::info(FaultKind kind, const std::string& detail, bool waiter) const {
   FaultInfo fi;
   fi.kind = kind;
   fi.op = op_;
@@ -196,7 +196,7 @@ void WatchedWork::inner_done(std::exception_ptr error) {
   }
   lk.unlock();
   // A backend thread (gloo's worker runs this callback) must not wait for the report.
-  trigger_fault_async(info("backend", what_of(error), false));
+  trigger_fault_async(info(FaultKind::kBackend, what_of(error), false));
 }
 
 void WatchedWork::expired() {
@@ -208,7 +208,7 @@ void WatchedWork::expired() {
     return;
   }
   lk.unlock();
-  trigger_fault_async(info("timeout", "", false));
+  trigger_fault_async(info(FaultKind::kTimeout, "", false));
 }
 
 void WatchedWork::trigger_fault_async(FaultInfo fi) {
@@ -321,17 +321,17 @@ bool WatchedWork::wait(std::chrono::milliseconds timeout) {
       std::rethrow_exception(error);
     }
     const Nanos now = steady_now();
-    std::string kind;
+    std::optional<FaultKind> kind;
     std::string detail;
     if (inner_ended_ && inner_error_) {
-      kind = "backend";
+      kind = FaultKind::kBackend;
       detail = what_of(inner_error_);
     } else if (now >= deadline_) {
-      kind = "timeout";
+      kind = FaultKind::kTimeout;
     }
-    if (!kind.empty()) {
+    if (kind) {
       lk.unlock();
-      auto err = ctl_->fault(info(kind, detail, true));
+      auto err = ctl_->fault(info(*kind, detail, true));
       lk.lock();
       if (!done_) finish_locked(err, lk);
       std::rethrow_exception(error_);
@@ -361,7 +361,7 @@ bool WatchedWork::wait(std::chrono::milliseconds timeout) {
       lk.unlock();
       if (ctl_->mark_dead(std::string(op_) + " #" + std::to_string(seq_) + " was interrupted on rank " +
                           std::to_string(ctl_->rank))) {
-        auto fi = info("interrupted", "", false);
+        auto fi = info(FaultKind::kInterrupted, "", false);
         auto ctl = ctl_;
         std::thread([ctl, fi]() { ctl->fault(fi); }).detach();
       }

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WatchedBackend = _watched.WatchedBackend
+# What kind of fault an op met, as the C++ side says it.
+Kind = _watched.FaultKind
 
 _lock = threading.Lock()
 _active = False
@@ -163,11 +165,11 @@ def activate(user_timeout: float | None) -> None:
 def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
     # Whatever this raises (a waiter's timeout handler's sys.exit() among others) is the error.
     err = _build_error(ctl_id, info)
-    if info["kind"] in ("timeout", "remote", "backend") and os.environ.get("FASTDIST_DUMP_DIR"):
+    if info["kind"] in (Kind.TIMEOUT, Kind.REMOTE, Kind.BACKEND) and os.environ.get("FASTDIST_DUMP_DIR"):
         pg = registry.group_of(ctl_id)
         if pg is not None:
             dump.write(pgstate.state_of(pg), pg, err)
-    if info["kind"] != "refused":
+    if info["kind"] != Kind.REFUSED:
         # A copy: the error itself gets a traceback when raised, and with it the frames of the
         # failed call; kept here, those would live on.
         remember(copy.copy(err))
@@ -187,20 +189,22 @@ def _check(ctl_id: int, op: str, signature: str, deadline: float) -> bool:
     return checks.verify(st, op, st.seq, f"{op}({signature})", deadline)
 
 
-def _count(ctl_id: int, kind: str, err: BaseException) -> None:
+def _count(ctl_id: int, kind: Any, err: BaseException) -> None:
     """The fault's event (fastdist.diagnostics.events): counted, and written when asked."""
     pg = registry.group_of(ctl_id)
     if pg is not None:
-        events.fault(pgstate.state_of(pg), err, interrupted=kind == "interrupted")
+        events.fault(pgstate.state_of(pg), err, interrupted=kind == Kind.INTERRUPTED)
 
 
 def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     pg = registry.group_of(ctl_id)
     op, seq, kind = info["op"], int(info["seq"]), info["kind"]
     if pg is None:
-        return GroupAbortedError(op=op, group="?", rank=-1, reason=info["detail"] or f"{op} #{seq} {kind}")
+        return GroupAbortedError(
+            op=op, group="?", rank=-1, reason=info["detail"] or f"{op} #{seq} {kind.name.lower()}"
+        )
     st = pgstate.state_of(pg)
-    if kind == "refused":
+    if kind == Kind.REFUSED:
         # The reason fastdist recorded (it names the peer whose fault rang this rank) before the
         # engine's own, which knows only that the op was ended by a peer's fault.
         reason = st.dead_reason or info["detail"] or "aborted"
@@ -208,7 +212,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     start = float(info["start"])
     deadline = float(info["deadline"])
     call = OpCall(op, pg, st, seq, start, deadline, info["prev"] or None)
-    if kind == "interrupted":
+    if kind == Kind.INTERRUPTED:
         global _interrupted
         _interrupted = True
         reason = f"an op was interrupted (Ctrl-C) on rank {st.my_global_rank}"
@@ -221,11 +225,11 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         # runs as soon as the main thread is back in Python, a moment later (raising one here too
         # would give two).
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-    if kind == "remote":
+    if kind == Kind.REMOTE:
         return _remote_fault(call, info)
     text = verdict.first_line(info["detail"] or "")
     said = verdict.classify(text)
-    if kind == "timeout" or said == verdict.TIMEOUT:
+    if kind == Kind.TIMEOUT or said == verdict.TIMEOUT:
         _die(
             pg,
             st,

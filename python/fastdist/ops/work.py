@@ -221,18 +221,13 @@ _options_cache: dict[tuple[Any, ...], Any] = {}
 
 def backend_options(kind: type, deadline: float, now: float, fields: tuple[tuple[str, Any], ...] = ()) -> Any:
     """A ``kind`` (e.g. ``AllgatherOptions``) with ``fields`` set, whose per-call timeout makes
-    the backend give up a little after ``deadline`` (10% of the budget, between 0.1 and 1 s: the
-    engine must see the deadline first on every rank, and a dead group's worker thread is freed
-    soon after it); for no deadline (``math.inf``), the group's own default.
-
-    The watched backend (fastdist._watched) sets the same per-call timeout itself, in C++."""
+    the backend give up a little after ``deadline`` (``gloo_budget`` in csrc/watched/: the one
+    rule, which the watched backend applies itself); for no deadline (``math.inf``), the group's
+    own default."""
     if deadline == math.inf or deadline - now > _BACKEND_TIMEOUT_MAX:
         ms = -1  # beyond what the backend can represent: no backend timeout; the engine keeps the deadline
     else:
-        budget = deadline - now
-        grace = 0.1 * budget
-        grace = 0.1 if grace < 0.1 else (min(grace, 1.0))
-        ms = math.ceil((budget + grace) * (1000 / _OPTIONS_STEP_MS)) * _OPTIONS_STEP_MS
+        ms = math.ceil(_watched.gloo_budget(deadline - now) * (1000 / _OPTIONS_STEP_MS)) * _OPTIONS_STEP_MS
     key: Any = (kind, ms, fields)
     try:
         opts = _options_cache.get(key)
