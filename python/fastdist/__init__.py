@@ -59,7 +59,8 @@ from .metrics import serve_metrics
 from .object_collectives import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .process_group import get_rank, get_world_size, init_process_group
 from .recovery.checkpoint import load_checkpoint, save_checkpoint
-from .recovery.recover import recover, sync_state
+from .recovery.growing import grow, sync_state
+from .recovery.recover import recover
 from .recovery.snapshot import PeerSnapshot
 from .steps import run_step
 from .store.etcd import EtcdAccessError, EtcdSecurity, EtcdStore
@@ -105,6 +106,7 @@ __all__ = [
     "get_rank",
     "get_timeout_handler",
     "get_world_size",
+    "grow",
     "history",
     "init_process_group",
     "irecv",

@@ -21,7 +21,7 @@ from .deadlines import RendezvousTimeout, validate_seconds
 from .diagnostics import board, listener
 from .groups import pgstate
 from .ops import watching
-from .recovery import joining, wrappers
+from .recovery import growing, joining, wrappers
 from .recovery.recover import LINEAGE_PROBE, lineage
 from .store import job, keys, rendezvous
 from .store.etcd import parse_url, security_of
@@ -161,18 +161,27 @@ def init_process_group(
         )
     job_store = _job_store(store)
     joiner = False
+    world = None  # (epoch, size) of a world that shrank since the launch
+    launched = world_size
     if n_spares and (job_store is None or rank is None or world_size is None):
         raise ValueError("spares need env://, tcp://, etcd:// or a store, with rank and world_size")
     if job_store is not None and rank is not None and world_size is not None:
         if n_spares >= world_size:
             raise ValueError(f"spares ({n_spares}) must be fewer than the processes launched ({world_size})")
         world_size -= n_spares
+        launched = world_size
         if rank >= world_size:
             logger.info("launch rank %d: a spare, waiting for a dead rank's place", rank)
             rank = joining.wait_for_vacancy(job_store, rank)
             joiner = True
         elif not lineage.get("started"):  # a process that made its groups before is no joiner
             joiner = job.job_running(job_store)
+        world = growing.read_world(job_store)
+        if joiner and world is not None and world[1] < world_size:
+            # The job shrank since its launch: this process joins as one rank more, admitted by
+            # the live ranks' fastdist.grow() (in sync_state).
+            rank, world_size = world[1], world[1] + 1
+            logger.info("a process joining the shrunk job: rank %d of %d once admitted", rank, world_size)
     watching.activate(None if td is None else td.total_seconds())
     wrappers.track_ddp()
     with joining.solo_groups() if joiner else contextlib.nullcontext():
@@ -187,6 +196,8 @@ def init_process_group(
         )
     lineage["job_store"] = job_store
     job.set_job_store(job_store)
+    grower = joiner and world is not None and launched is not None and world[1] < launched
+    growing.prepare(job_store, world[0] if world is not None else 0, launched or 0, grower)
     lineage["started"] = True
     lineage.update(
         backend=dist.get_backend(),

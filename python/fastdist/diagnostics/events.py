@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EVENTS = ("timeout", "abort", "interrupt", "recovery", "shrink", "replacement")
+EVENTS = ("timeout", "abort", "interrupt", "recovery", "shrink", "replacement", "grow")
 ENV = "FASTDIST_EVENTS"
 
 _lock = threading.Lock()

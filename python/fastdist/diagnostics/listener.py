@@ -77,6 +77,13 @@ def stop(timeout: float = 1.0) -> None:
     listener.join(timeout)
 
 
+def restart(store: Any, global_rank: int) -> None:
+    """After the default group was rebuilt with other ranks (a shrink, a growth): listens on
+    this rank's new inbox, in the new group's store."""
+    stop()
+    start(store, global_rank)
+
+
 class _Listener(threading.Thread):
     def __init__(self, store: Any, rank: int) -> None:
         super().__init__(name="fastdist-bell", daemon=True)
@@ -96,7 +103,7 @@ class _Listener(threading.Thread):
             poster = conn if queues_of(self.store) is self.store else self.store.clone()
             short = self.store.timeout if poster is conn else _FOREVER
             conn.set_timeout(_FOREVER)
-            keywait.set_waiter(self.store.clone())
+            keywait.set_waiter(self.store.clone(), self.store)
         except Exception as exc:  # noqa: BLE001 - a store that cannot clone (a Python store but ours)
             logger.debug("fastdist: no second connection to the store; faults are not propagated: %r", exc)
             return

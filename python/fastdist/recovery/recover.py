@@ -21,6 +21,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -50,20 +51,14 @@ lineage: dict[str, Any] = {"backend": None, "timeout": None, "root": None}
 LINEAGE_PROBE = keys.key("lineage")
 
 
-def sync_state(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None) -> bool:
-    """Loads the live ranks' state into ``state`` on a process that joined a running job, and
-    returns True; returns False at once on a first start (nothing to load).
+# Called on each member as (new rank, new size) when recover() left ranks out (a shrink): the
+# world's size changed (fastdist.recovery.growing watches for a process to grow it back).
+WORLD_CHANGED: list[Callable[[int, int], None]] = []
 
-    ``state`` is a dict of objects with ``state_dict()`` / ``load_state_dict()`` (what
-    ``torch.distributed.checkpoint`` takes: the model, the optimizer, the user's step counter),
-    built as on a first start. The joiner takes its rank's place at the live ranks'
-    ``recover(state=...)``: every group it made is connected for real, and a live rank sends its
-    state over the default group. Bounded by ``timeout`` (default: the default timeout); raises
-    :class:`RecoveryError` when the live ranks do not take it in, or when ``state`` holds sharded
-    tensors (FSDP2) and no ``snapshot`` (a :class:`fastdist.PeerSnapshot` of ``state``, made
-    before this call): with one, the joiner receives its predecessor's shards from a rank that
-    holds a copy, and the whole job rolls back to that snapshot.
-    """
+
+def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None) -> bool:
+    """fastdist.sync_state on a process that takes a dead rank's place (or on a first start: False
+    at once): it joins the live ranks' next ``recover(state=...)`` and loads their state."""
     state = state_sync.check_state(state)
     _check_snapshot(snapshot, state)
     if not joining.is_pending():
@@ -271,7 +266,7 @@ def _recover(
         joiners = _joiners(store, st, gen) if is_default else []
         if joiners:
             wrappers.fresh_ddp_reducers(groups)
-            _hand_over(pg, st, gen, state, joiners, deadline, snapshot)
+            hand_over(pg, st, gen, state, joiners, deadline, snapshot)
             if me == joiners[0]:  # every member read the list before the hand-over's barrier
                 with contextlib.suppress(RuntimeError):  # a store without delete keeps it
                     store.delete_key(_joiners_key(st, gen))
@@ -297,7 +292,7 @@ def _recover(
     pgstate.hold(pg)
     if is_default:
         old_groups = registry.watched_groups() or [pg]
-        new = _rebuild_default(gen, new_rank, new_size)
+        new = rebuild_default(gen, new_rank, new_size)
         wrappers.reset_ddp(old_groups, new)
         registry.retire(old_groups)
     else:
@@ -309,6 +304,11 @@ def _recover(
     )
     left_out = sorted(set(st.global_ranks or range(st.size)) - set(members))
     events.emit("shrink", me, st.name, gen, world_size=new_size, left_out=left_out)
+    if is_default:
+        # This rank's inbox is its new rank's, in the new group's store.
+        listener.restart(dist.distributed_c10d._get_default_store(), new_rank)
+        for hook in WORLD_CHANGED:
+            hook(new_rank, new_size)
     events.emit(
         "recovery", me, st.name, gen, world_size=new_size, in_place=False, recovery=current_time() - start
     )
@@ -327,7 +327,7 @@ def _joiners(store: Any, st: pgstate.GroupState, gen: int) -> list[int]:
     return sorted({int(r) for r in bytes(store.get(key)).split()})
 
 
-def _hand_over(
+def hand_over(
     pg: Any,
     st: pgstate.GroupState,
     gen: int,
@@ -739,7 +739,7 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: pgstate.GroupState)
     return fresh
 
 
-def _rebuild_default(gen: int, rank: int, world_size: int) -> Any:
+def rebuild_default(gen: int, rank: int, world_size: int) -> Any:
     # The dead group is held by fastdist (see _groups.hold), so dropping torch's references to
     # it here does not run its destructor, which could block on an op still in flight.
     dist.destroy_process_group()

@@ -32,15 +32,20 @@ _lock = threading.Lock()
 # client), made by the listener when it starts (torch's TCPStore.clone() takes about 0.25 s, too
 # long to pay at a fault), and used by one report at a time.
 _waiter: Any = None
+_waiter_of: Any = None  # the store it is a second connection to (its keys, under its prefixes)
 _waiter_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def waiter() -> Iterator[Any]:
-    """The reports' wait connection, or None (not made yet, a store that cannot make one, or in
-    use by another report): then the caller polls."""
+def waiter(store: Any = None) -> Iterator[Any]:
+    """The reports' wait connection, or None (not made yet, a store that cannot make one, in
+    use by another report, or one to another store than ``store``): then the caller polls."""
     conn = _waiter
-    if conn is None or not _waiter_lock.acquire(blocking=False):
+    if (
+        conn is None
+        or (store is not None and store is not _waiter_of)
+        or not _waiter_lock.acquire(blocking=False)
+    ):
         yield None
         return
     try:
@@ -49,10 +54,11 @@ def waiter() -> Iterator[Any]:
         _waiter_lock.release()
 
 
-def set_waiter(conn: Any) -> None:
-    """Gives the reports the wait connection (made by the fault listener when it starts)."""
-    global _waiter
-    _waiter = conn
+def set_waiter(conn: Any, of: Any) -> None:
+    """Gives the reports the wait connection ``conn`` to ``of`` (made by the fault listener when
+    it starts)."""
+    global _waiter, _waiter_of
+    _waiter, _waiter_of = conn, of
 
 
 def at_deadline(deadline: float, work: Callable[[], object], what: str) -> Any:
@@ -139,7 +145,7 @@ def wait_key(
     # Without, the wait ends at the deadline (torch logs a line then).
     end = deadline + (CLOSER_MARGIN_SECONDS if closer is not None and close_at is None else 0.0)
     try:
-        with waiter() as conn:
+        with waiter(store) as conn:
             if conn is not None:
                 try:
                     conn.wait([key], datetime.timedelta(seconds=max(0.001, end - current_time())))
