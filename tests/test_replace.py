@@ -21,7 +21,12 @@ STEPS = 12
 
 
 def _launch(
-    out: Path, *flags: str, script: tuple[str, ...] = (), target: tuple[str, ...] = (), timeout: float = 90.0
+    out: Path,
+    *flags: str,
+    script: tuple[str, ...] = (),
+    target: tuple[str, ...] = (),
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
 ) -> tuple[int, str]:
     """``python -m fastdist.run FLAGS`` on the example script; its exit code and output."""
     out.mkdir()
@@ -37,7 +42,7 @@ def _launch(
         *(target or ("-m", "fastdist.examples.train_ddp", "--steps", str(STEPS), "--out", str(out))),
         *script,
     ]
-    code, log = run_session(cmd, timeout)
+    code, log = run_session(cmd, timeout, env=env)
     assert code is not None, f"the job ran past {timeout} s\n{log[-6000:]}"
     return code, log
 
@@ -67,6 +72,26 @@ def test_dead_worker_is_replaced_and_the_model_equals_an_undisturbed_run(
     assert log.count("done at step 12") == 3, log
     for r in (0, 2):  # named as dead at once, from the agent's record, not "did not answer"
         assert f"rank {r}: step 5 failed: " in log, log
+        line = log.split(f"rank {r}: step 5 failed: ", 1)[1].splitlines()[0]
+        assert "rank 1 is dead (exit by SIGKILL)" in line, line
+    assert compare(str(reference), str(tmp_path / "killed"), 3) <= 1e-6
+
+
+def test_the_nccl_logic_replaces_a_dead_worker_too(reference: Path, tmp_path: Path) -> None:
+    """The NCCL path's logic (polled completion) on its CPU stand-in, FASTDIST_TEST_POLLED=1: the
+    death reaches DDP's backward as fastdist's typed error (it escaped as gloo's raw
+    RuntimeError), and the hand-over's sends end (they were polled, and gloo's never end so)."""
+    rc, log = _launch(
+        tmp_path / "killed",
+        "--nproc-per-node",
+        "3",
+        script=("--kill-rank", "1", "--kill-step", "5"),
+        env={"FASTDIST_TEST_POLLED": "1"},
+    )
+    assert rc == 0, log
+    assert "rank 1: joined the running job at step 5" in log, log
+    assert log.count("done at step 12") == 3, log
+    for r in (0, 2):
         line = log.split(f"rank {r}: step 5 failed: ", 1)[1].splitlines()[0]
         assert "rank 1 is dead (exit by SIGKILL)" in line, line
     assert compare(str(reference), str(tmp_path / "killed"), 3) <= 1e-6

@@ -58,15 +58,22 @@ void WatchedWork::arm() {
   token_ = ctl_->engine->add(deadline_, [weak]() mutable {
     if (auto w = weak.lock()) w->expired();
   });
-  if (ctl_->polled) {
+  if (ctl_->polled && inner_fut_) {
     // The future says when the op was enqueued: mirror it for torch's consumers (they order
-    // their streams on it); completion on the device is polled.
-    if (inner_fut_) {
+    // their streams on it); completion on the device is polled. (A posted op without a future,
+    // gloo's send/recv under FASTDIST_TEST_POLLED, ends only in its wait: below.)
+    {
       auto fut = fut_;
-      inner_fut_->addCallback([fut](c10::ivalue::Future& f) {
+      inner_fut_->addCallback([fut, weak](c10::ivalue::Future& f) mutable {
         if (fut->completed()) return;
         if (f.hasError()) {
-          fut->setErrorIfNeeded(f.exception_ptr());
+          // The op failed (a peer died, say): the group's fault, built once, is what its
+          // consumers get (DDP's backward waits on this future), not the backend's raw error.
+          if (auto w = weak.lock()) {
+            w->inner_done(f.exception_ptr());
+          } else {
+            fut->setErrorIfNeeded(f.exception_ptr());
+          }
         } else {
           fut->markCompleted(f.value(), f.storages());
         }
@@ -148,7 +155,7 @@ void WatchedWork::finish_locked(std::exception_ptr error, std::unique_lock<std::
   ctl_->untrack(this);
   if (error) {
     fut_->setErrorIfNeeded(error);
-  } else if (!ctl_->polled && !fut_->completed()) {
+  } else if ((!ctl_->polled || !inner_fut_) && !fut_->completed()) {  // (polled: mirrored in arm)
     if (inner_fut_ && inner_fut_->completed() && !inner_fut_->hasError()) {
       fut_->markCompleted(inner_fut_->value(), inner_fut_->storages());
     } else {
