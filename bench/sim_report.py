@@ -58,7 +58,7 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def _own_waiter() -> Iterator[Any]:
+def _own_waiter(store: Any = None) -> Iterator[Any]:
     # In a job each rank has its own wait connection (fastdist.store.keywait.waiter); here each simulated
     # rank's thread does.
     _local.counter[0] += 1  # the wait itself

@@ -1,7 +1,9 @@
 """Shrink, then grow back (issue 23, item 6): rank 2 of 3 is SIGKILLed mid-step with no spare;
 ranks 0 and 1 shrink (``recover(allow_shrink=True)``) and train on; a process started for it
 about 5 steps later joins (``sync_state``), the live ranks' ``fastdist.grow(state)`` admits it,
-and the world is 3 again, every rank with the same model, momentum and step.
+and the world is 3 again, every rank with the same model, momentum and step. Then rank 1 stalls
+in a step: the grown world times out and recovers in place like any other (the newcomer's
+listener, generation and groups are the live ranks').
 
 Run as a script, this file is one process of the job: ``python tests/test_grow.py OUT_DIR`` with
 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (FASTDIST_TEST_DIE_AT=STEP: die at that step).
@@ -23,6 +25,7 @@ STEPS = 30
 # At a world of 2 the survivors hold at this step (a barrier every 0.1 s) until the newcomer has
 # joined: this test's job is too short to leave a starting process time otherwise.
 HOLD_AT = 20
+STALL_AT = 25  # rank 1 stalls in this step, after the growth
 
 
 class Progress:
@@ -53,6 +56,8 @@ def rank_main(out: Path) -> None:
     joined = fastdist.sync_state(state, timeout=60)
     log = out / f"launch{launch_rank}{'-joiner' if joined else ''}.jsonl"
     grew_at = None
+    stalled = False
+    recoveries: list[tuple[int, int]] = []
     while progress.step < STEPS:
         if fastdist.grow(state, timeout=20):
             grew_at = progress.step
@@ -68,6 +73,9 @@ def rank_main(out: Path) -> None:
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 if progress.step == die_at:
                     os.kill(os.getpid(), signal.SIGKILL)  # mid-step, before its backward
+                if progress.step == STALL_AT and dist.get_rank() == 1 and not stalled:
+                    stalled = True
+                    time.sleep(7)  # the others' deadline passes
                 loss.backward()
             opt.step()
             opt.zero_grad()
@@ -76,6 +84,7 @@ def rank_main(out: Path) -> None:
         except fastdist.FastdistError:
             opt.zero_grad()
             fastdist.recover(timeout=20, allow_shrink=True)
+            recoveries.append((progress.step, dist.get_world_size()))
             continue
         with log.open("a") as f:
             f.write(
@@ -91,6 +100,7 @@ def rank_main(out: Path) -> None:
         "params": flat.tolist(),
         "momentum": momentum.tolist(),
         "step": progress.step,
+        "recoveries": recoveries,
     }
     (out / f"result-rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -163,6 +173,9 @@ def test_shrink_then_grow_back_to_three() -> None:
         assert joiner["joined"] is True and results[0]["joined"] is False, info
         assert results[0]["grew_at"] is not None and results[0]["grew_at"] >= 10, info
         assert results[0]["grew_at"] == results[1]["grew_at"], info
+        # The stall after the growth: every rank of the grown world recovered in place, once.
+        for r in results:
+            assert r["recoveries"][-1] == [STALL_AT, 3], info
         for r in results[1:]:
             assert r["params"] == results[0]["params"], info
             assert r["momentum"] == results[0]["momentum"], info

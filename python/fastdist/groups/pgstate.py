@@ -322,6 +322,13 @@ def gone(st: GroupState) -> set[int]:
         return set(_gone.get((st.name, st.generation), ()))
 
 
+def set_generation(name: str, generation: int) -> None:
+    """The generation the next state of group ``name`` starts at (a process that joined by a
+    growth takes the live ranks')."""
+    with _lock:
+        _generations[name] = generation
+
+
 def next_generation(name: str) -> int:
     with _lock:
         _generations[name] = _generations.get(name, 0) + 1

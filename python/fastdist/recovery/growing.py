@@ -36,7 +36,7 @@ from ..errors import RecoveryError
 from ..groups import pgstate, registry
 from ..store import keys, keywait
 from . import joining, state_sync, wrappers
-from .recover import WORLD_CHANGED, hand_over, rebuild_default, recover_joining
+from .recover import WORLD_CHANGED, hand_over, latest_key, lineage, rebuild_default, recover_joining
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def _grow(state: dict[str, Any] | None, deadline: float, *, newcomer: bool) -> b
                 store.set(world_key(), f"{epoch + 1}:{size}")
             arm(epoch + 1, me, size)
         return False
-    pgstate.next_generation(st.name)
+    pgstate.set_generation(st.name, gen)  # (the newcomer's own count is not the live ranks')
     st.generation = gen
     old_groups = registry.watched_groups() or [old]
     pgstate.hold(old)
@@ -270,6 +270,8 @@ def _grow(state: dict[str, Any] | None, deadline: float, *, newcomer: bool) -> b
     hand_over(new, new_st, gen, state, [size], deadline)
     if me == 0:
         store.set(world_key(), f"{epoch + 1}:{size + 1}")
+        # The generation is used: a later recovery (or a replacement's) agrees on the next one.
+        lineage["root"].set(latest_key(st.name), str(gen))
     listener.restart(dist.distributed_c10d._get_default_store(), me)
     arm(epoch + 1, me, size + 1)
     logger.info("rank %d: the world grew to %d ranks (generation %d)", me, size + 1, gen)

@@ -315,6 +315,11 @@ def _recover(
     return new
 
 
+def latest_key(name: str) -> str:
+    """The last generation of group ``name`` that its members agreed (a counter in the store)."""
+    return f"{keys.key('recover', name)}/latest"
+
+
 def _joiners_key(st: pgstate.GroupState, gen: int) -> str:
     return f"{keys.key('recover', st.name)}/{gen}/joiners"
 
