@@ -38,7 +38,7 @@ check: setup
 # Two workers: most of the suite's time is spent waiting for deadlines and processes.
 test: check
 	scripts/install-test-deps
-	$(PY) -m pytest -n 2 --dist worksteal
+	$(PY) -m pytest -n 2 --dist worksteal --durations=25
 
 # The benchmarks (about 4 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.
 bench: setup

@@ -102,12 +102,18 @@ def run_processes(cmds: list[list[str]], timeout: float) -> list[int | None]:
                 codes.append(None)
         return codes
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_sessions(procs)
+
+
+def kill_sessions(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILLs every process of each of ``procs``' sessions (each started with
+    ``start_new_session=True``), whatever state they are in, and reaps them."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 @dataclass

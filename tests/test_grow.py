@@ -17,7 +17,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,21 +27,11 @@ HOLD_AT = 20
 STALL_AT = 25  # rank 1 stalls in this step, after the growth
 
 
-class Progress:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.step = int(sd["step"])
-
-
 def rank_main(out: Path) -> None:
     import fastdist
     import torch
     import torch.distributed as dist
+    from fastdist.examples.train_ddp import Progress
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     launch_rank = int(os.environ["RANK"])
@@ -113,7 +102,7 @@ def test_shrink_then_grow_back_to_three() -> None:
     import subprocess
     import tempfile
 
-    from mp import HERE, free_port
+    from mp import HERE, free_port, kill_sessions
 
     out = Path(tempfile.mkdtemp(prefix="fastdist-grow-"))
     port = free_port()
@@ -180,12 +169,7 @@ def test_shrink_then_grow_back_to_three() -> None:
             assert r["params"] == results[0]["params"], info
             assert r["momentum"] == results[0]["momentum"], info
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        kill_sessions(procs)
         for log in logs:
             log.close()
 
