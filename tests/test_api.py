@@ -79,6 +79,15 @@ def test_other_bad_arguments_name_the_argument() -> None:
         fastdist.set_timeout_handler(3)
     with pytest.raises(ValueError, match=r"^timeout must be positive, got 0.0$"):
         RendezvousTimeout(0)
+    # grow(): the state and the timeout are checked on every call, not only when a process waits;
+    # with nobody waiting (here: no job at all) it returns False at once.
+    with pytest.raises(TypeError, match=r"^state\['x'\] must have state_dict\(\) and load_state_dict\(\)"):
+        fastdist.grow({"x": 1})
+    with pytest.raises(TypeError, match=r"^state must be a dict of objects"):
+        fastdist.grow(None)
+    with pytest.raises(ValueError, match=r"^timeout must be positive, got -1.0$"):
+        fastdist.grow({}, timeout=-1)
+    assert fastdist.grow({"m": torch.nn.Linear(1, 1)}) is False
 
 
 # ---------------------------------------------------------------------------------------------

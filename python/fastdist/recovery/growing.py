@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..deadlines import TimeoutLike, current_time, effective_deadline, get_default_timeout
+from ..deadlines import TimeoutLike, current_time, effective_deadline, get_default_timeout, validate_seconds
 from ..diagnostics import events, listener
 from ..errors import RecoveryError
 from ..groups import pgstate, registry
@@ -156,6 +156,8 @@ def grow(state: Any, *, timeout: TimeoutLike = None) -> bool:
     timeout) the live ranks go on at their size and this returns False.
     """
     state = state_sync.check_state(state)
+    if timeout is not None:
+        validate_seconds(timeout, "timeout")
     g = _growth
     if not g.armed:
         return False
