@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 # grow() calls between rank 0 seeing a request and the growth, on every rank.
 MARGIN = 3
 _FOREVER = datetime.timedelta(days=3650)
+_STALE = "stale"  # what ends the watchers of an epoch that is over
 
 
 def world_key() -> str:
@@ -97,8 +98,14 @@ def arm(epoch: int, rank: int, size: int) -> None:
     connection of its own."""
     g = _growth
     with g.lock:
+        old, was_armed = g.epoch, g.armed
         g.epoch, g.calls, g.requested, g.target = epoch, 0, False, None
         g.armed = g.store is not None and size < g.launched
+    if was_armed and rank == 0 and old != epoch:
+        # The last epoch's watchers (on every rank) still wait: their keys end them (one
+        # thread and one connection each would be left behind per shrink).
+        for what in ("target", "request"):
+            g.store.compare_set(_key(old, what), "", _STALE)
     if not g.armed:
         return
     _watch(g.store, _key(epoch, "target"), epoch, _on_target)
@@ -130,7 +137,7 @@ def _watch(store: Any, key: str, epoch: int, then: Any) -> None:
             logger.debug("fastdist: the grow watcher on %s stops: %r", key, exc)
             return
         with _growth.lock:
-            if _growth.epoch == epoch:
+            if _growth.epoch == epoch and value != _STALE:
                 then(value)
 
     threading.Thread(target=run, name="fastdist-grow", daemon=True).start()
