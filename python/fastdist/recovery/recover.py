@@ -68,7 +68,7 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
     pg = dist.distributed_c10d._get_default_group()
     st = pgstate.state_of(pg)
     # The live ranks agree on the generation after the last one agreed: this rank's next.
-    st.generation = int(lineage["root"].add(f"{keys.key('recover', st.name)}/latest", 0))
+    st.generation = int(lineage["root"].add(latest_key(st.name), 0))
     recover(timeout=timeout, state=state, snapshot=snapshot)
     joining.set_pending(False)
     listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
@@ -526,7 +526,7 @@ def _agree(
     me = st.my_global_rank
     # The last generation agreed (set by one member of it), read as a counter: one operation,
     # 0 before the first recovery.
-    latest = store.add(f"{key}/latest", 0)
+    latest = store.add(latest_key(st.name), 0)
     if latest >= gen:
         raise RecoveryError(
             group=st.name,
@@ -604,7 +604,7 @@ def _agree(
     # from 10 members up): record it as the latest, and delete generation gen - 2's keys (gen - 1's
     # reports stay: a straggler of it, left out, reads them to learn that the others timed out
     # rather than blame them as dead).
-    chores = [f"{key}/latest", *_keys_of_generation(st, gen - 2)]
+    chores = [latest_key(st.name), *_keys_of_generation(st, gen - 2)]
     try:
         for i in range(n - 1, len(chores), final):
             if i == 0:
