@@ -24,7 +24,9 @@ STEPS = 30
 # At a world of 2 the survivors hold at this step (a barrier every 0.1 s) until the newcomer has
 # joined: this test's job is too short to leave a starting process time otherwise.
 HOLD_AT = 20
-STALL_AT = 25  # rank 1 stalls in this step, after the growth
+# Rank 1 stalls in these steps: at a world of 2 (after the shrink: the others' ring must reach
+# its new inbox) and at 3 (after the growth).
+STALLS = (12, 25)
 
 
 def rank_main(out: Path) -> None:
@@ -45,8 +47,8 @@ def rank_main(out: Path) -> None:
     joined = fastdist.sync_state(state, timeout=60)
     log = out / f"launch{launch_rank}{'-joiner' if joined else ''}.jsonl"
     grew_at = None
-    stalled = False
-    recoveries: list[tuple[int, int]] = []
+    stalled: set[int] = set()
+    recoveries: list[tuple[int, int, str]] = []
     while progress.step < STEPS:
         if fastdist.grow(state, timeout=20):
             grew_at = progress.step
@@ -62,18 +64,18 @@ def rank_main(out: Path) -> None:
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 if progress.step == die_at:
                     os.kill(os.getpid(), signal.SIGKILL)  # mid-step, before its backward
-                if progress.step == STALL_AT and dist.get_rank() == 1 and not stalled:
-                    stalled = True
+                if progress.step in STALLS and dist.get_rank() == 1 and progress.step not in stalled:
+                    stalled.add(progress.step)
                     time.sleep(7)  # the others' deadline passes
                 loss.backward()
             opt.step()
             opt.zero_grad()
             progress.step += 1
             time.sleep(0.05)
-        except fastdist.FastdistError:
+        except fastdist.FastdistError as exc:
             opt.zero_grad()
             fastdist.recover(timeout=20, allow_shrink=True)
-            recoveries.append((progress.step, dist.get_world_size()))
+            recoveries.append((progress.step, dist.get_world_size(), str(exc).splitlines()[0]))
             continue
         with log.open("a") as f:
             f.write(
@@ -162,9 +164,14 @@ def test_shrink_then_grow_back_to_three() -> None:
         assert joiner["joined"] is True and results[0]["joined"] is False, info
         assert results[0]["grew_at"] is not None and results[0]["grew_at"] >= 10, info
         assert results[0]["grew_at"] == results[1]["grew_at"], info
-        # The stall after the growth: every rank of the grown world recovered in place, once.
-        for r in results:
-            assert r["recoveries"][-1] == [STALL_AT, 3], info
+        # Each stall: every rank of that world recovered in place, once. The stalled rank learnt
+        # of the others' timeout while it was away, through its listener (in its new inbox after
+        # the shrink), not by finding the group closed when it came back.
+        for r in results[:2]:
+            assert [rec[:2] for rec in r["recoveries"]] == [[5, 2], [12, 2], [25, 3]], info
+        assert [rec[:2] for rec in joiner["recoveries"]] == [[25, 3]], info
+        for step, world, message in results[1]["recoveries"][1:]:
+            assert "timed out in" in message and "while this rank was in no op on it" in message, info
         for r in results[1:]:
             assert r["params"] == results[0]["params"], info
             assert r["momentum"] == results[0]["momentum"], info
