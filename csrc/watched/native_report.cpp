@@ -10,7 +10,6 @@ namespace fastdist::watched {
 bool GilProbe::enter() {
   std::lock_guard<std::mutex> lk(mu_);
   entered_ = true;
-  entered_at_.store(steady_now());
   cv_.notify_all();
   return native_;
 }

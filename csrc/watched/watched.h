@@ -114,15 +114,12 @@ class GilProbe {
   bool enter();
   // Waits up to `wait` for the builder; true (C++ must report) if it did not come.
   bool expire(Nanos wait);
-  // When the builder got the GIL (steady clock; 0 while it has not).
-  Nanos entered_at() const { return entered_at_.load(); }
 
  private:
   std::mutex mu_;
   std::condition_variable cv_;
   bool entered_ = false;
   bool native_ = false;
-  std::atomic<Nanos> entered_at_{0};
 };
 
 // Builds a FaultError (see errors.cpp) from the Python error currently set; needs the GIL.

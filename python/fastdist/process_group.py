@@ -161,8 +161,9 @@ def init_process_group(
         )
     job_store = _job_store(store)
     joiner = False
-    world = None  # (epoch, size) of a world that shrank since the launch
+    world = None  # (epoch, size) of the world as its last shrink or growth left it
     launched = world_size
+    grower = False
     if n_spares and (job_store is None or rank is None or world_size is None):
         raise ValueError("spares need env://, tcp://, etcd:// or a store, with rank and world_size")
     if job_store is not None and rank is not None and world_size is not None:
@@ -177,7 +178,8 @@ def init_process_group(
         elif not lineage.get("started"):  # a process that made its groups before is no joiner
             joiner = job.job_running(job_store)
         world = growing.read_world(job_store)
-        if joiner and world is not None and world[1] < world_size:
+        grower = joiner and world is not None and world[1] < world_size
+        if grower and world is not None:
             # The job shrank since its launch: this process joins as one rank more, admitted by
             # the live ranks' fastdist.grow() (in sync_state).
             rank, world_size = world[1], world[1] + 1
@@ -196,7 +198,6 @@ def init_process_group(
         )
     lineage["job_store"] = job_store
     job.set_job_store(job_store)
-    grower = joiner and world is not None and launched is not None and world[1] < launched
     growing.prepare(job_store, world[0] if world is not None else 0, launched or 0, grower)
     lineage["started"] = True
     lineage.update(
