@@ -180,6 +180,16 @@ class Net:
         self.heal(node)
         _run("ip", "netns", "exec", self.ns(node), "nft", "-f", "-", input=rules)
 
+    def partitioned(self, node: str) -> bool:
+        """Whether ``partition(node)``'s rules are in place."""
+        got = subprocess.run(
+            ["ip", "netns", "exec", self.ns(node), "nft", "list", "table", "inet", "fdfault"],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        return got.returncode == 0 and "drop" in got.stdout
+
     def loss(self, node: str, percent: int) -> None:
         """``percent`` of the packets the node sends vanish (as netem loss on its interface)."""
         rules = (

@@ -84,6 +84,7 @@ def net_faults(ctx) -> None:
     if ctx.rank == 2:
         side = threading.Thread(target=_cut_off_checks, args=(ctx, store_ip, port))
         h = fastdist.all_reduce(big, async_op=True, timeout=3)
+        ctx.signal("r2_issued")
         ctx.net.partition(ctx.me)  # mid all_reduce: every packet in and out vanishes
         ctx.record("cut_off")
         side.start()
@@ -109,6 +110,11 @@ def net_faults(ctx) -> None:
         ctx.signal("r2_done")
         ctx.wait_for("done", 60)
         return
+    # Joined once rank 2 is cut off: else the op could end before its partition is in place.
+    ctx.wait_for("r2_issued", 30)
+    limit = time.monotonic() + 30
+    while not ctx.net.partitioned("r2") and time.monotonic() < limit:
+        time.sleep(0.05)
     t0 = time.monotonic()
     try:
         fastdist.all_reduce(big, timeout=3)
