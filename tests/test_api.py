@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import math
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -613,3 +614,26 @@ def test_init_twice_and_a_timeout_of_a_million_days(tmp_path: Any) -> None:
         proc.stdout
     ), proc.stdout + proc.stderr[-2000:]
     assert "port_in_use" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-replacements", "-1"], "--max-replacements must be >= 0"),
+        (["--spares", "-1"], "--spares must be >= 0"),
+        (["--max-restarts", "1"], "--max-restarts restarts every worker; use --max-replacements"),
+        (["--node-wait", "0"], "--node-wait must be > 0"),
+        (["--nnodes", "2"], "several nodes need --rdzv-backend c10d --rdzv-endpoint HOST:PORT"),
+        (
+            ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--spares", "1"],
+            "--spares is for one node (--nnodes 1) for now",
+        ),
+    ],
+)
+def test_fastdist_run_refuses_what_it_cannot_do_before_starting_anything(
+    flags: list[str], message: str
+) -> None:
+    from fastdist.tools import launcher
+
+    with pytest.raises(SystemExit, match=f"^fastdist run: {re.escape(message)}$"):
+        launcher.main([*flags, "-m", "fastdist.examples.train_ddp"])

@@ -7,13 +7,20 @@ torch), so each test checks several things."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastdist.examples.train_ddp import compare
-from mp import free_port, run_session
+from mp import free_port, kill_sessions, run_session
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(240)
@@ -180,3 +187,89 @@ def test_a_spare_that_dies_waiting_is_not_promoted(reference: Path, tmp_path: Pa
     assert "goes to a waiting spare" not in log, log
     assert "rank 1: replacement started" in log, log
     assert compare(str(reference), str(tmp_path / "deadspare"), 3) <= 1e-6
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for(path: Path, what: Callable[[dict[str, Any]], bool], count: int, timeout: float) -> list[dict]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = [e for e in _events(path) if what(e)]
+        if len(got) >= count:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"no {count} such events in {timeout} s: {_events(path)}")
+
+
+def test_a_dead_node_is_replaced_by_a_new_agent_and_the_live_nodes_workers_go_on(
+    reference: Path, tmp_path: Path
+) -> None:
+    """Two agents on this host as two nodes (c10d rendezvous): node A runs ranks 0-1, node B rank
+    2. B's agent is stopped, its worker dies mid-backward at step 5 and the agent is SIGKILLed
+    with it; a third agent started then takes node B's place. A's workers are never restarted."""
+    out, events = tmp_path / "nodes", tmp_path / "events"
+    out.mkdir()
+    port = free_port()
+
+    def agent(nproc: int, log: Path) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "fastdist.run", "--nnodes", "2:2", "--rdzv-backend", "c10d"]
+        cmd += [
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "two-nodes",
+            "--nproc-per-node",
+            str(nproc),
+        ]
+        cmd += ["-m", "fastdist.examples.train_ddp", "--steps", str(STEPS), "--out", str(out)]
+        cmd += ["--events", str(events), "--kill-rank", "2", "--kill-step", "5"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with log.open("wb") as f:
+            return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = {name: tmp_path / f"{name}.log" for name in "abc"}
+    try:
+        procs.append(agent(2, logs["a"]))
+        _wait_for_port(port, 60)  # A hosts the rendezvous store (and so the job's)
+        procs.append(agent(1, logs["b"]))
+        started = _wait_for(events, lambda e: e["event"] == "started", 3, 90)
+        by_rank = {e["rank"]: e for e in started}
+        assert by_rank[2]["agent"] == procs[1].pid, started  # node B holds rank 2
+        os.kill(procs[1].pid, signal.SIGSTOP)  # B's agent cannot replace its worker
+        _wait_for(events, lambda e: e["event"] == "kill", 1, 90)
+        os.killpg(procs[1].pid, signal.SIGKILL)  # the node is gone
+        procs.append(agent(1, logs["c"]))
+        codes = [p.wait(120) for p in (procs[0], procs[2])]
+        text = {name: path.read_text(errors="replace") for name, path in logs.items()}
+        assert codes == [0, 0], text
+        assert "in place of node 1 (its agent stopped answering): ranks 2-2 of 3 start again" in text["c"], (
+            text
+        )
+        assert "rank 2: joined the running job at step 5" in text["c"], text
+        evs = _events(events)
+        for r in (0, 1):  # the live node's workers: one process each from the first step to the last
+            assert {e["pid"] for e in evs if e["rank"] == r} == {by_rank[r]["pid"]}, evs
+            assert [e["step"] for e in evs if e["rank"] == r and e["event"] == "step"][-1] == STEPS, evs
+        joined = [e for e in evs if e["event"] == "joined"]
+        assert [(e["rank"], e["step"]) for e in joined] == [(2, 5)] and joined[0]["pid"] != by_rank[2][
+            "pid"
+        ], evs
+        assert compare(str(reference), str(out), 3) <= 1e-6
+    finally:
+        kill_sessions(procs)
+
+
+def _wait_for_port(port: int, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"nothing listens on port {port} after {timeout} s")

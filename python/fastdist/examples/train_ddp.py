@@ -54,7 +54,8 @@ class Events:
     def __call__(self, event: str, **fields: Any) -> None:
         if self.path:
             with open(self.path, "a") as f:
-                f.write(json.dumps({"event": event, "rank": self.rank, "time": time.time(), **fields}) + "\n")
+                rec = {"event": event, "rank": self.rank, "pid": os.getpid(), "time": time.time(), **fields}
+                f.write(json.dumps(rec) + "\n")
 
 
 class Checkpoint:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
     fastdist.init_process_group("gloo")  # env:// from the launcher; a joiner returns at once
     rank = fastdist.get_rank()
-    Events(args.events, rank)("started")
+    Events(args.events, rank)("started", agent=os.getppid())
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     model = torch.nn.parallel.DistributedDataParallel(net)

@@ -9,7 +9,8 @@ its own, which the agent writes) or starts one replacement process with the same
 LOCAL_RANK and device. The live workers are in ``fastdist.recover(state=...)`` meanwhile, and the
 newcomer joins them there (see fastdist.recovery.joining). When ``--max-replacements`` is spent, the
 next death ends the job as torchrun would, non-zero, and the log tells every death and what was
-done about it.
+done about it. With several nodes (``--nnodes``, c10d rendezvous), an agent started while the
+job runs takes the place of a node whose agent is gone (see fastdist.tools.nodes).
 
 Everything else is torchrun's: its flags (``torch.distributed.run``'s parser), its rendezvous
 and its launch (``torch.distributed.launcher.api.launch_agent``), with this agent in place of
@@ -33,11 +34,12 @@ from unittest import mock
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server import local_elastic_agent
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import start_processes
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
 from ..store import job
+from . import nodes
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +82,16 @@ def describe_exit(exitcode: int) -> str:
 class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
     """torch's LocalElasticAgent that replaces a dead worker instead of restarting the group."""
 
-    def __init__(self, *args: Any, max_replacements: int = 3, spares: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        max_replacements: int = 3,
+        spares: int = 0,
+        link: nodes.NodeLink | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self._link = link  # several nodes: this node's records in the rendezvous store
         self._logs_specs = _PerStartLogs(self._logs_specs)
         self._contexts: dict[int, Any] = {}  # local rank -> its process context
         self._serves: dict[int, int] = {}  # local rank -> the global rank its process holds
@@ -93,6 +103,59 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self.story: list[str] = []
 
     # -- starting -------------------------------------------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        link = self._link
+        if link is None:
+            super()._rendezvous(worker_group)
+            return
+        if link.slot is None:  # a first start: torch's rendezvous, then this node's record
+            super()._rendezvous(worker_group)
+            ranks = [w.global_rank for w in worker_group.workers]
+            link.publish(
+                nodes.Slot(
+                    group_rank=worker_group.group_rank or 0,
+                    group_world_size=worker_group.group_world_size or 1,
+                    base_rank=min(ranks),
+                    local_world_size=len(ranks),
+                    world_size=worker_group.workers[0].world_size,
+                    master_addr=str(worker_group.master_addr),
+                    master_port=int(worker_group.master_port or 0),
+                )
+            )
+            return
+        # In a dead node's place: its slot, not a new round (which would restart the others).
+        slot = link.slot
+        size = worker_group.spec.local_world_size
+        if size != slot.local_world_size:
+            raise RuntimeError(f"node {slot.group_rank} ran {slot.local_world_size} workers, not {size}")
+        worker_group.workers = [
+            Worker(
+                local_rank=i,
+                global_rank=slot.base_rank + i,
+                role_rank=slot.base_rank + i,
+                world_size=slot.world_size,
+                role_world_size=slot.world_size,
+            )
+            for i in range(size)
+        ]
+        self._store = link.store()
+        wg: Any = worker_group  # (torch declares these fields as None until a rendezvous)
+        wg.store = self._store
+        wg.group_rank = slot.group_rank
+        wg.group_world_size = slot.group_world_size
+        wg.master_addr = slot.master_addr
+        wg.master_port = slot.master_port
+        self._say(
+            f"in place of node {slot.group_rank} (its agent stopped answering): ranks "
+            f"{slot.base_rank}-{slot.base_rank + size - 1} of {slot.world_size} start again"
+        )
+
+    def _exit_barrier(self) -> None:
+        if self._link is None:
+            super()._exit_barrier()  # type: ignore[no-untyped-call]
+        elif not self._link.exit_barrier(self._exit_barrier_timeout):
+            self._say(f"not every node finished within {self._exit_barrier_timeout:.0f} s")
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._contexts.clear()
@@ -158,6 +221,8 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         print(line, file=sys.stderr, flush=True)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._link is not None:
+            self._link.beat()
         for lr, ctx in list(self._contexts.items()):
             result = ctx.wait(0)
             if result is None or not result.is_failed():
@@ -232,6 +297,13 @@ def get_args_parser() -> argparse.ArgumentParser:
         default=0,
         help="the last N processes of --nproc-per-node hold no rank; each takes a dead rank's place",
     )
+    parser.add_argument(
+        "--node-wait",
+        type=float,
+        default=60.0,
+        help="several nodes: an agent started while the job runs waits this long (seconds) for a "
+        "node whose agent is gone, and takes its place (default 60)",
+    )
     return parser
 
 
@@ -243,9 +315,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("fastdist run: --spares must be >= 0")
     if args.max_restarts:
         raise SystemExit("fastdist run: --max-restarts restarts every worker; use --max-replacements")
-    nnodes = str(args.nnodes)
-    if nnodes not in ("1", "1:1"):
-        raise SystemExit("fastdist run: one node only for now (--nnodes 1); see the README")
+    if args.node_wait <= 0:
+        raise SystemExit("fastdist run: --node-wait must be > 0")
+    from torch.distributed.run import parse_min_max_nnodes
+
+    link: nodes.NodeLink | None = None
+    if parse_min_max_nnodes(str(args.nnodes))[1] > 1:
+        if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+            raise SystemExit("fastdist run: several nodes need --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
+        if args.spares:
+            raise SystemExit("fastdist run: --spares is for one node (--nnodes 1) for now")
+        link = nodes.NodeLink(args.rdzv_endpoint, args.rdzv_id)
+        if link.job_running():
+            nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else None
+            print(
+                f"[fastdist run] job {args.rdzv_id!r} runs at {args.rdzv_endpoint}: waiting up to "
+                f"{args.node_wait:.0f} s for a node whose agent is gone, to take its place",
+                file=sys.stderr,
+                flush=True,
+            )
+            if link.claim(nproc, args.node_wait) is None:
+                raise SystemExit(
+                    f"fastdist run: job {args.rdzv_id!r} runs and every node's agent answers: this "
+                    "agent can only take a dead node's place (a new round would restart every worker)"
+                )
     os.environ["FASTDIST_SPARES"] = str(args.spares)
     os.environ[job.LAUNCHER_ENV] = "1"  # the workers' errors may read the deaths recorded
 
@@ -256,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     agents: list[ReplacingAgent] = []
 
     def make_agent(*a: Any, **kw: Any) -> ReplacingAgent:
-        agent = ReplacingAgent(*a, max_replacements=args.max_replacements, spares=args.spares, **kw)
+        agent = ReplacingAgent(
+            *a, max_replacements=args.max_replacements, spares=args.spares, link=link, **kw
+        )
         agents.append(agent)
         return agent
 
