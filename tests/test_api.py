@@ -637,3 +637,24 @@ def test_fastdist_run_refuses_what_it_cannot_do_before_starting_anything(
 
     with pytest.raises(SystemExit, match=f"^fastdist run: {re.escape(message)}$"):
         launcher.main([*flags, "-m", "fastdist.examples.train_ddp"])
+
+
+def test_a_watched_ops_future_asked_for_before_or_after_it_ended() -> None:
+    """The future of a watched op is made on demand: asked for after the op ended, it is already
+    complete with the op's output; asked for before, the op's end completes it."""
+    code = (
+        "import torch, torch.distributed as dist, fastdist\n"
+        "fastdist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "t = torch.ones(3)\n"
+        "w = dist.all_reduce(t, async_op=True)\n"
+        "w.wait()\n"
+        "late = w.get_future()\n"
+        "print('late', late.done(), late.wait()[0].tolist(), w.get_future().wait()[0].tolist())\n"
+        "early = dist.all_reduce(t, async_op=True).get_future()\n"
+        "print('early', early.then(lambda f: f.value()[0] * 2).wait().tolist())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "late True [1.0, 1.0, 1.0] [1.0, 1.0, 1.0]\nearly [2.0, 2.0, 2.0]\n" in proc.stdout, proc.stdout

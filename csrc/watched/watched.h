@@ -277,8 +277,11 @@ class WatchedWork : public c10d::Work {
 
  private:
   FaultInfo info(FaultKind kind, const std::string& detail, bool waiter) const;
-  void finish_locked(std::exception_ptr error, std::unique_lock<std::mutex>& lk);
+  // Ends the op (called with `lk` held on wmu_, returns with it released).
+  void finish_and_unlock(std::exception_ptr error, std::unique_lock<std::mutex>& lk);
   void trigger_fault_async(FaultInfo info);
+  c10::intrusive_ptr<c10::ivalue::Future> make_future() const;
+  void complete_future(const c10::intrusive_ptr<c10::ivalue::Future>& fut, std::exception_ptr error);
   bool wait_posted(std::chrono::milliseconds timeout);
 
   c10::intrusive_ptr<c10d::Work> inner_;
@@ -290,7 +293,7 @@ class WatchedWork : public c10d::Work {
   const unsigned long thread_;  // pthread id (= Python's threading.get_ident()) of the issuer
   std::shared_ptr<Token> token_;
   c10::intrusive_ptr<c10::ivalue::Future> inner_fut_;  // null for posted ops (gloo send/recv)
-  c10::intrusive_ptr<c10::ivalue::Future> fut_;        // ours: completed when the op ends
+  c10::intrusive_ptr<c10::ivalue::Future> fut_;        // ours (made on demand): completed when the op ends
 
   mutable std::mutex wmu_;
   std::condition_variable wcv_;

@@ -30,10 +30,30 @@ WatchedWork::WatchedWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<G
   } catch (const std::exception&) {
     inner_fut_.reset();  // gloo send/recv: "getFuture not implemented"
   }
-  if (inner_fut_) {
-    fut_ = c10::make_intrusive<c10::ivalue::Future>(inner_fut_->elementType(), inner_fut_->devices());
-  } else {
-    fut_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  // Our future is made when asked for (DDP's reducer, Python's get_future()), not for a plain
+  // wait(): most ops never need one. The polled path mirrors the inner one from the start.
+  if (ctl_->polled || !inner_fut_) fut_ = make_future();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WatchedWork::make_future() const {
+  if (inner_fut_) return c10::make_intrusive<c10::ivalue::Future>(inner_fut_->elementType(), inner_fut_->devices());
+  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+}
+
+void WatchedWork::complete_future(const c10::intrusive_ptr<c10::ivalue::Future>& fut, std::exception_ptr error) {
+  if (error) {
+    fut->setErrorIfNeeded(error);
+    return;
+  }
+  if (fut->completed()) return;
+  if (inner_fut_ && inner_fut_->completed() && !inner_fut_->hasError()) {
+    fut->markCompleted(inner_fut_->value(), inner_fut_->storages());
+    return;
+  }
+  try {
+    fut->markCompleted(c10::IValue(inner_->result()));
+  } catch (const std::exception&) {
+    fut->markCompleted(c10::IValue(std::vector<at::Tensor>()));
   }
 }
 
@@ -44,11 +64,13 @@ void WatchedWork::release_resources() {
   if (token_) token_->cancel();
   // Nobody can end this op any more: a future that torch's code still waits on must not hang.
   bool done;
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
   {
     std::lock_guard<std::mutex> lk(wmu_);
     done = done_;
+    fut = fut_;
   }
-  if (!done) fut_->setErrorIfNeeded(plain_error(std::string(op_) + " #" + std::to_string(seq_) + " was abandoned"));
+  if (!done && fut) fut->setErrorIfNeeded(plain_error(std::string(op_) + " #" + std::to_string(seq_) + " was abandoned"));
 }
 
 void WatchedWork::arm() {
@@ -138,7 +160,9 @@ FaultInfo WatchedWork::info(FaultKind kind, const std::string& detail, bool wait
   return fi;
 }
 
-void WatchedWork::finish_locked(std::exception_ptr error, std::unique_lock<std::mutex>& lk) {
+void WatchedWork::finish_and_unlock(std::exception_ptr error, std::unique_lock<std::mutex>& lk) {
+  // Returns with `lk` released: taking it again here would meet the woken waiter on its way out
+  // (one more sleep and wake-up on every op's critical path).
   done_ = true;
   error_ = error;
   ctl_->end(seq_, !error                                              ? Outcome::kOk
@@ -149,30 +173,19 @@ void WatchedWork::finish_locked(std::exception_ptr error, std::unique_lock<std::
     abandoned().fetch_add(1);
   }
   auto token = token_;
+  auto fut = fut_;  // none yet: getFuture() completes the one it makes
   lk.unlock();
   wcv_.notify_all();
   if (token) token->complete();
   ctl_->untrack(this);
-  if (error) {
-    fut_->setErrorIfNeeded(error);
-  } else if ((!ctl_->polled || !inner_fut_) && !fut_->completed()) {  // (polled: mirrored in arm)
-    if (inner_fut_ && inner_fut_->completed() && !inner_fut_->hasError()) {
-      fut_->markCompleted(inner_fut_->value(), inner_fut_->storages());
-    } else {
-      try {
-        fut_->markCompleted(c10::IValue(inner_->result()));
-      } catch (const std::exception&) {
-        fut_->markCompleted(c10::IValue(std::vector<at::Tensor>()));
-      }
-    }
-  }
-  lk.lock();
+  // (Polled: a success was mirrored from the inner future in arm().)
+  if (fut && (error || !ctl_->polled || !inner_fut_)) complete_future(fut, error);
 }
 
 void WatchedWork::fail(std::exception_ptr error) {
   std::unique_lock<std::mutex> lk(wmu_);
   if (done_) return;
-  finish_locked(error, lk);
+  finish_and_unlock(error, lk);
 }
 
 void WatchedWork::inner_done(std::exception_ptr error) {
@@ -192,7 +205,7 @@ void WatchedWork::inner_done(std::exception_ptr error) {
     return;
   }
   if (!error) {
-    finish_locked(nullptr, lk);
+    finish_and_unlock(nullptr, lk);
     return;
   }
   inner_error_ = error;
@@ -304,7 +317,20 @@ void WatchedWork::abort() {
   if (inner) inner->abort();
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> WatchedWork::getFuture() { return fut_; }
+c10::intrusive_ptr<c10::ivalue::Future> WatchedWork::getFuture() {
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lk(wmu_);
+    if (fut_) return fut_;
+    fut_ = make_future();
+    if (!done_) return fut_;  // the op's end completes it
+    fut = fut_;
+    error = error_;
+  }
+  complete_future(fut, error);
+  return fut;
+}
 
 bool WatchedWork::wait(std::chrono::milliseconds timeout) {
   // torch's own timeout, when given, bounds this wait softly (as torch's wait does); the op's
@@ -340,7 +366,7 @@ bool WatchedWork::wait(std::chrono::milliseconds timeout) {
       lk.unlock();
       auto err = ctl_->fault(info(*kind, detail, true));
       lk.lock();
-      if (!done_) finish_locked(err, lk);
+      if (!done_) finish_and_unlock(err, lk);  // (error_ is set once, before done_)
       std::rethrow_exception(error_);
     }
     if (now >= soft_end) {
@@ -373,7 +399,7 @@ bool WatchedWork::wait(std::chrono::milliseconds timeout) {
         std::thread([ctl, fi]() { ctl->fault(fi); }).detach();
       }
       lk.lock();
-      if (!done_) finish_locked(interrupt, lk);
+      if (!done_) finish_and_unlock(interrupt, lk);
       std::rethrow_exception(interrupt);
     }
   }
