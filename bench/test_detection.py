@@ -11,13 +11,14 @@ import pytest
 from conftest import SMOKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import ranks
 from mp import describe, run_ranks
 
 
 @pytest.mark.timeout(300)
 def test_detection_latency(benchmark) -> None:
     results = run_ranks(
-        "bench_detection", 2, env={"FASTDIST_BENCH_HANGS": "3" if SMOKE else "50"}, timeout=240
+        ranks.bench_detection, 2, env={"FASTDIST_BENCH_HANGS": "3" if SMOKE else "50"}, timeout=240
     )
     assert all(r.returncode == 0 for r in results), describe(results)
     rec = results[0].record("detection")

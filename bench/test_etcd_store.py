@@ -18,6 +18,7 @@ from conftest import SMOKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import etcd_server
+import ranks
 from mp import describe, run_ranks
 
 pytestmark = [
@@ -102,7 +103,9 @@ def test_store_op_latency_etcd_vs_tcpstore(benchmark, etcd) -> None:
 
 
 def _recovery_seconds(env: dict[str, str], cycles: int) -> float:
-    results = run_ranks("bench_recovery", 3, timeout=120, env=dict(env, FASTDIST_BENCH_CYCLES=str(cycles)))
+    results = run_ranks(
+        ranks.bench_recovery, 3, timeout=120, env=dict(env, FASTDIST_BENCH_CYCLES=str(cycles))
+    )
     info = describe(results)
     assert all(r.returncode == 0 for r in results), info
     by_rank = [[x for x in r.records if x["event"] == "cycle"] for r in results]

@@ -15,6 +15,7 @@ import pytest
 from conftest import SMOKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import watched_ranks
 from mp import free_port, run_ranks
 
 TORCH_ONLY = "import torch, time; print(time.time(), flush=True)"
@@ -47,7 +48,7 @@ def test_exit_after_ctrl_c_against_torchs_own_exit(benchmark) -> None:
     torch_ddp = [_exit_seconds(TORCH_DDP, str(free_port())) for _ in range(rounds)]
     interrupted = []
     for _ in range(rounds):
-        r0 = run_ranks("watched_ctrl_c", 2, absent=(1,), timeout=60)[0]
+        r0 = run_ranks(watched_ranks.watched_ctrl_c, 2, absent=(1,), timeout=60)[0]
         assert r0.returncode == 0 and r0.exited_at is not None, r0.stderr[-3000:]
         interrupted.append(r0.exited_at - r0.record("ending")["wall"])
     a, b, c = (statistics.median(x) for x in (torch_only, torch_ddp, interrupted))

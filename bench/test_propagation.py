@@ -12,6 +12,7 @@ import pytest
 from conftest import SMOKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import ranks
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_propagation_latency(benchmark, world_size: int) -> None:
     cycles = 1 if SMOKE else 8
     results = run_ranks(
-        "bench_propagation", world_size, timeout=150, env={"FASTDIST_BENCH_CYCLES": str(cycles)}
+        ranks.bench_propagation, world_size, timeout=150, env={"FASTDIST_BENCH_CYCLES": str(cycles)}
     )
     info = describe(results)
     assert all(r.returncode == 0 for r in results), info

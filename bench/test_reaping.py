@@ -11,6 +11,7 @@ import torch
 from conftest import SMOKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import ranks
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 )
 def test_reaping_cost(benchmark, backend: str) -> None:
     env = {"FASTDIST_BENCH_BACKEND": backend, "FASTDIST_BENCH_INFLIGHT": "200" if SMOKE else "10000"}
-    results = run_ranks("bench_reaping", 1, env=env, timeout=240)
+    results = run_ranks(ranks.bench_reaping, 1, env=env, timeout=240)
     assert results[0].returncode == 0, describe(results)
     rec = results[0].record("reaping")
     benchmark.extra_info.update(rec)
@@ -39,7 +40,7 @@ def test_reaping_cost(benchmark, backend: str) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_all_reduce_overhead(benchmark) -> None:
-    results = run_ranks("gpu_bench", 1, timeout=240)
+    results = run_ranks(ranks.gpu_bench, 1, timeout=240)
     assert results[0].returncode == 0, describe(results)
     rec = results[0].record("gpu_bench")
     benchmark.extra_info.update(rec)

@@ -13,6 +13,7 @@ import pytest
 from conftest import SMOKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import ranks
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,7 +22,9 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2] if SMOKE else [2, 3, 4])  # smoke: bench/ runs, cheaply
 def test_recovery_vs_restart(benchmark, world_size: int) -> None:
     cycles = 1 if SMOKE else 5
-    results = run_ranks("bench_recovery", world_size, timeout=120, env={"FASTDIST_BENCH_CYCLES": str(cycles)})
+    results = run_ranks(
+        ranks.bench_recovery, world_size, timeout=120, env={"FASTDIST_BENCH_CYCLES": str(cycles)}
+    )
     info = describe(results)
     assert all(r.returncode == 0 for r in results), info
     # Recovery: per cycle, from the first rank's timeout (the error reaching the caller, report

@@ -1,16 +1,18 @@
 """Runs test scenarios on real processes: one Python process per rank, gloo, and a TCPStore on
 127.0.0.1 hosted by the test process on a free port.
 
-Each rank runs ``tests/rank_main.py SCENARIO RANK WORLD PORT``, which calls the function of that
-name in ``tests/scenarios.py``. Ranks report what they saw as JSON records on stdout. The whole
-run has a hard deadline, and every child is killed by PID in a ``finally``, so a bug cannot hang
-the suite. Ranks that play "absent" block on the store key ``RELEASE_KEY``, which the harness sets
-once every other rank has exited, so an absent rank never closes its connections early. Ranks
-listed as ``stuck`` (hung or SIGSTOPped by the scenario) are killed at that point.
+Each rank runs ``tests/rank_main.py FILE:FUNCTION RANK WORLD PORT``, which calls the rank code a
+test passed (a function beside the test, or in the rank module named after its file: the ranks of
+tests/test_faults.py are in tests/faults_ranks.py). Ranks report what they saw as JSON records on
+stdout. The whole run has a hard deadline, and every child is killed by PID in a ``finally``, so a
+bug cannot hang the suite. Ranks that play "absent" block on the store key ``RELEASE_KEY``, which
+the harness sets once every other rank has exited, so an absent rank never closes its connections
+early. Ranks listed as ``stuck`` (hung or SIGSTOPped by the scenario) are killed at that point.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -138,7 +141,7 @@ class RankResult:
 
 
 def run_ranks(
-    scenario: str,
+    scenario: Callable[[Any], None],
     world_size: int,
     *,
     absent: tuple[int, ...] = (),
@@ -167,7 +170,7 @@ def run_ranks(
             cmd = [
                 sys.executable,
                 str(HERE / "rank_main.py"),
-                scenario,
+                f"{inspect.getfile(scenario)}:{scenario.__name__}",
                 str(rank),
                 str(world_size),
                 str(store.port),
@@ -212,7 +215,7 @@ def run_ranks(
         results.append(RankResult(rank, p.returncode, stdout, stderr, exited_at.get(rank), records))
     if overran:
         raise AssertionError(
-            f"scenario {scenario!r} did not finish within {timeout} s; exited: "
+            f"scenario {scenario.__name__!r} did not finish within {timeout} s; exited: "
             f"{sorted(exited_at)}\n{describe(results)}"
         )
     return results

@@ -46,11 +46,11 @@ class Context:
 
 def main() -> None:
     scenario, rank, world_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    import scenarios_net
+    import netfaults_ranks
 
     ctx = Context(rank, world_size)
     try:
-        getattr(scenarios_net, scenario)(ctx)
+        getattr(netfaults_ranks, scenario)(ctx)
     except Exception:
         ctx.record("crash", traceback=traceback.format_exc())
         sys.stdout.flush()

@@ -1,12 +1,13 @@
-"""Entry point of one rank in a multi-process test: ``rank_main.py SCENARIO RANK WORLD PORT``.
+"""Entry point of one rank in a multi-process test: ``rank_main.py FILE:FUNCTION RANK WORLD PORT``.
 
-SCENARIO is a function of tests/scenarios*.py, or ``MODULE:FUNCTION`` (a test module of tests/ that
-holds its ranks' code beside its assertions)."""
+FUNCTION(ctx) is the rank code, in FILE: a test module, or the rank module named after it
+(tests/test_watched.py's ranks are in tests/watched_ranks.py)."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -51,18 +52,11 @@ class Context:
 
 def main() -> None:
     scenario, rank, world_size, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    import scenarios
-    import scenarios_etcd
-    import scenarios_watched
-
     ctx = Context(rank, world_size, port)
     try:
-        if ":" in scenario:  # "test_module:function": the rank code beside the test's assertions
-            name, _, func = scenario.partition(":")
-            getattr(importlib.import_module(name), func)(ctx)
-        else:
-            module = next(m for m in (scenarios, scenarios_watched, scenarios_etcd) if hasattr(m, scenario))
-            getattr(module, scenario)(ctx)
+        path, _, func = scenario.rpartition(":")
+        sys.path.insert(0, os.path.dirname(path))
+        getattr(importlib.import_module(Path(path).stem), func)(ctx)
     except Exception:
         ctx.record("crash", traceback=traceback.format_exc())
         sys.stdout.flush()

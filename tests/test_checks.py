@@ -49,7 +49,7 @@ def mismatch_job(ctx) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.timeout(90)
 def test_checks_cover_torch_calls_and_ddp_and_a_size_mismatch_never_kills() -> None:
-    results = run_ranks("test_checks:mismatch_job", 2, timeout=60)
+    results = run_ranks(mismatch_job, 2, timeout=60)
     info = describe(results)
     assert all(r.returncode == 0 for r in results), info  # no SIGABRT inside gloo
     for r in results:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import collectives_gloo_ranks
 import pytest
 from mp import EXIT_SLACK, describe, run_ranks
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_absent_rank_times_out_everyone_who_waited(world_size: int) -> None:
-    results = run_ranks("timeout_one_absent", world_size, absent=(world_size - 1,))
+    results = run_ranks(collectives_gloo_ranks.timeout_one_absent, world_size, absent=(world_size - 1,))
     info = describe(results)
     for r in results:
         assert r.returncode == 0, info
@@ -42,7 +43,7 @@ def test_absent_rank_times_out_everyone_who_waited(world_size: int) -> None:
         # The absent rank is alive, its main thread in a store.wait on the job's store client (as a
         # rank stuck in a group's creation is): its listener answers on a connection of its own.
         assert f"rank {absent} is not in a collective: rank_main.py:" in t["message"], t["message"]
-        assert "in wait_release <- scenarios.py:" in t["message"], t["message"]
+        assert "in wait_release <- collectives_gloo_ranks.py:" in t["message"], t["message"]
         aborted = r.record("aborted")
         assert aborted["elapsed"] < 0.1, info
         # The refusal names the rank whose timeout aborted the group: this one, or the peer that
@@ -56,7 +57,7 @@ def test_absent_rank_times_out_everyone_who_waited(world_size: int) -> None:
 
 
 def test_shared_deadline_handler_and_exit_code() -> None:
-    results = run_ranks("shared_deadline_and_handler", 2, absent=(1,))
+    results = run_ranks(collectives_gloo_ranks.shared_deadline_and_handler, 2, absent=(1,))
     info = describe(results)
     r0, r1 = results
     assert r1.returncode == 0, info

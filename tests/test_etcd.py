@@ -11,6 +11,7 @@ import time
 import uuid
 from datetime import timedelta
 
+import etcd_ranks
 import etcd_server
 import pytest
 import torch.distributed as dist
@@ -112,7 +113,9 @@ def test_the_store_does_what_torch_and_fastdist_use_and_leaves_nothing(etcd) -> 
 
 def test_three_ranks_on_etcd_time_out_recover_and_survive_losing_rank_0(etcd) -> None:
     job = f"job-{uuid.uuid4().hex[:8]}"
-    results = run_ranks("etcd_job", 3, timeout=100, env={"FASTDIST_TEST_ETCD_URL": etcd.url(job) + "?ttl=3"})
+    results = run_ranks(
+        etcd_ranks.etcd_job, 3, timeout=100, env={"FASTDIST_TEST_ETCD_URL": etcd.url(job) + "?ttl=3"}
+    )
     info = describe(results)
     assert results[0].returncode == -9, info  # rank 0 killed itself mid all_reduce
     for r in results:
@@ -142,7 +145,7 @@ def test_a_three_member_cluster_loses_the_member_every_rank_talks_to_and_the_job
         assert first.proc is not None
         job = f"cluster-{uuid.uuid4().hex[:8]}"
         results = run_ranks(
-            "etcd_member_lost",
+            etcd_ranks.etcd_member_lost,
             3,
             timeout=120,
             env={

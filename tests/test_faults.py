@@ -1,7 +1,7 @@
 """Faults on real processes (3 or 4 ranks, gloo, TCPStore on 127.0.0.1): which ranks raise,
 within what time, what the report says, and that recovery then gives correct results.
 
-Timing: the step timeout is 1.5 s (scenarios.STEP_TIMEOUT). A rank that waited must raise no
+Timing: the step timeout is 1.5 s (faults_ranks.STEP_TIMEOUT). A rank that waited must raise no
 earlier than that and within 1 s after it (the report window adds at most 0.15 s; the rest is
 slack for a loaded 2-core machine).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import faults_ranks
 import pytest
 from mp import describe, run_ranks
 
@@ -36,7 +37,7 @@ def _check_recovered(r, info, world_size, expected_sum):
 
 
 def test_two_ranks_of_four_hang() -> None:
-    results = run_ranks("fault_hang_two_of_four", 4, stuck=(2, 3))
+    results = run_ranks(faults_ranks.fault_hang_two_of_four, 4, stuck=(2, 3))
     info = describe(results)
     for r in results[:2]:
         assert r.returncode == 0, info
@@ -54,14 +55,14 @@ def test_two_ranks_of_four_hang() -> None:
             "rank 2 is not in a collective",
             "rank 3 is not in a collective",
         ]
-        assert all("scenarios.py:" in w and " in _train" in w for w in where), info
+        assert all("faults_ranks.py:" in w and " in _train" in w for w in where), info
         rec = _check_recovered(r, info, 2, 3.0)
         assert rec["rank"] == r.rank
         assert r.record("recover_time")["seconds"] < 5.0, info
 
 
 def test_a_stopped_rank_is_reported_and_left_out() -> None:
-    results = run_ranks("fault_sigstop", 3, stuck=(2,))
+    results = run_ranks(faults_ranks.fault_sigstop, 3, stuck=(2,))
     info = describe(results)
     for r in results[:2]:
         assert r.returncode == 0, info
@@ -70,7 +71,7 @@ def test_a_stopped_rank_is_reported_and_left_out() -> None:
 
 
 def test_a_rank_that_exits_is_reported_and_left_out() -> None:
-    results = run_ranks("fault_exit", 3)
+    results = run_ranks(faults_ranks.fault_exit, 3)
     info = describe(results)
     assert results[1].returncode == 0 and not results[1].has("error"), info
     for r in (results[0], results[2]):
@@ -88,7 +89,7 @@ def test_a_rank_that_exits_is_reported_and_left_out() -> None:
 
 
 def test_a_rank_killed_in_the_middle_of_an_all_reduce() -> None:
-    results = run_ranks("fault_sigkill_mid_all_reduce", 3)
+    results = run_ranks(faults_ranks.fault_sigkill_mid_all_reduce, 3)
     info = describe(results)
     assert results[2].returncode == -9, info
     for r in results[:2]:
@@ -104,7 +105,7 @@ def test_a_rank_killed_in_the_middle_of_an_all_reduce() -> None:
 
 
 def test_wrong_collective_gives_the_same_desync_report_everywhere_then_checks_catch_a_mismatch() -> None:
-    results = run_ranks("fault_wrong_collective", 3)
+    results = run_ranks(faults_ranks.fault_wrong_collective, 3)
     info = describe(results)
     for r in results:
         assert r.returncode == 0, info
@@ -131,7 +132,7 @@ def test_wrong_collective_gives_the_same_desync_report_everywhere_then_checks_ca
 
 
 def test_straggler_is_refused_at_once_then_joins_the_recovery() -> None:
-    results = run_ranks("fault_straggler_rejoins", 3)
+    results = run_ranks(faults_ranks.fault_straggler_rejoins, 3)
     info = describe(results)
     for r in results[:2]:
         assert r.returncode == 0, info
@@ -151,7 +152,7 @@ def test_straggler_is_refused_at_once_then_joins_the_recovery() -> None:
 
 
 def test_straggler_left_out_by_a_shrinking_recovery_is_told_so() -> None:
-    results = run_ranks("fault_straggler_left_out", 3)
+    results = run_ranks(faults_ranks.fault_straggler_left_out, 3)
     info = describe(results)
     for r in results[:2]:
         assert r.returncode == 0, info
@@ -168,7 +169,7 @@ def test_straggler_left_out_by_a_shrinking_recovery_is_told_so() -> None:
 
 
 def test_a_dead_peer_is_not_waited_for_by_its_ops_or_by_a_shrinking_recovery() -> None:
-    results = run_ranks("dead_peer_not_waited_for", 3, timeout=60)
+    results = run_ranks(faults_ranks.dead_peer_not_waited_for, 3, timeout=60)
     info = describe(results)
     assert results[2].returncode == -9, info
     died = results[2].record("dying")["wall"]

@@ -75,7 +75,7 @@ def test_metrics_and_events_after_a_fault(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     events = tmp_path / "events-{rank}.jsonl"
     results = run_ranks(
-        "test_metrics:fault_job",
+        fault_job,
         3,
         timeout=90,
         env={"FASTDIST_METRICS_PORT": str(port), "FASTDIST_EVENTS": str(events)},

@@ -7,13 +7,14 @@ from __future__ import annotations
 import collections
 import warnings
 
+import nccl_path_ranks
 import pytest
 from mp import EXIT_SLACK, describe, run_ranks
 
 
 @pytest.mark.timeout(60)
 def test_nccl_path_logic_on_a_test_double() -> None:
-    results = run_ranks("fake_nccl_logic", 1, env={"FASTDIST_ABORT_TIMEOUT": "0.5"})
+    results = run_ranks(nccl_path_ranks.fake_nccl_logic, 1, env={"FASTDIST_ABORT_TIMEOUT": "0.5"})
     info = describe(results)
     r = results[0]
     assert 0.6 <= r.record("blocking")["elapsed"] < 2.0, info  # two ops, 0.3 s of "device" time each
@@ -42,7 +43,7 @@ def test_nccl_path_logic_on_a_test_double() -> None:
 
 @pytest.mark.timeout(60)
 def test_missing_and_desynced_ranks_are_reported_on_the_nccl_path() -> None:
-    results = run_ranks("fake_nccl_report", 3, absent=(2,))
+    results = run_ranks(nccl_path_ranks.fake_nccl_report, 3, absent=(2,))
     info = describe(results)
     for r in results:
         assert r.returncode == 0 and r.has("healthy"), info

@@ -10,8 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import netfaults_ranks
 import netns
 import pytest
 from mp import RECORD_PREFIX, RankResult, describe
@@ -36,7 +39,9 @@ def net():
         n.teardown()
 
 
-def _run(net: netns.Net, scenario: str, world_size: int, timeout: float) -> list[RankResult]:
+def _run(
+    net: netns.Net, scenario: Callable[[Any], None], world_size: int, timeout: float
+) -> list[RankResult]:
     import json
 
     ctrl = tempfile.mkdtemp(prefix="fdnet-ctrl-")
@@ -67,7 +72,7 @@ def _run(net: netns.Net, scenario: str, world_size: int, timeout: float) -> list
             files.append((out, err))
             cmd = net.command(
                 f"r{rank}",
-                [sys.executable, str(HERE / "netns_rank.py"), scenario, str(rank), str(world_size)],
+                [sys.executable, str(HERE / "netns_rank.py"), scenario.__name__, str(rank), str(world_size)],
             )
             procs.append(
                 subprocess.Popen(
@@ -105,7 +110,7 @@ def _run(net: netns.Net, scenario: str, world_size: int, timeout: float) -> list
 
 
 def test_partitions_loss_and_a_flapping_link(net) -> None:
-    results = _run(net, "net_faults", 3, timeout=120)
+    results = _run(net, netfaults_ranks.net_faults, 3, timeout=120)
     info = describe(results)
     for r in results:
         assert r.returncode == 0, info

@@ -5,13 +5,14 @@ nobody waits on still times out and runs the handler."""
 from __future__ import annotations
 
 import pytest
+import recovery_ranks
 from mp import EXIT_SLACK, describe, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_subgroup_dies_and_recovers_on_its_own() -> None:
-    results = run_ranks("subgroup_dies_alone", 3)
+    results = run_ranks(recovery_ranks.subgroup_dies_alone, 3)
     info = describe(results)
     for r in results:
         assert r.returncode == 0, info
@@ -26,7 +27,7 @@ def test_subgroup_dies_and_recovers_on_its_own() -> None:
 
 
 def test_twenty_timeout_recover_cycles_leak_no_threads_fds_or_store_keys() -> None:
-    results = run_ranks("leak_cycles", 2, timeout=100)
+    results = run_ranks(recovery_ranks.leak_cycles, 2, timeout=100)
     info = describe(results)
     for r in results:
         assert r.returncode == 0, info
@@ -42,7 +43,7 @@ def test_twenty_timeout_recover_cycles_leak_no_threads_fds_or_store_keys() -> No
 
 
 def test_fast_path_makes_no_store_traffic_and_an_unwaited_handle_still_times_out() -> None:
-    results = run_ranks("store_quiet_and_async_handler_exit", 2, absent=(1,))
+    results = run_ranks(recovery_ranks.store_quiet_and_async_handler_exit, 2, absent=(1,))
     info = describe(results)
     for r in results:
         ops = r.record("store_ops")
@@ -68,7 +69,7 @@ def test_init_process_group_methods_keep_what_recovery_needs(method: str, tmp_pa
         "FASTDIST_TEST_FILE": str(tmp_path / "rendezvous"),
         "MASTER_PORT": str(port),
     }
-    results = run_ranks("init_methods_then_recover", 2, env=env)
+    results = run_ranks(recovery_ranks.init_methods_then_recover, 2, env=env)
     info = describe(results)
     for r in results:
         assert r.returncode == 0, info

@@ -8,13 +8,14 @@ from __future__ import annotations
 import threading
 
 import pytest
+import reliability_ranks
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_huge_timeouts_non_contiguous_tensors_refused_calls_and_expired_deadlines() -> None:
-    results = run_ranks("reliability_single", 1, timeout=60)
+    results = run_ranks(reliability_ranks.reliability_single, 1, timeout=60)
     info = describe(results)
     r = results[0]
     assert r.returncode == 0, info
@@ -35,7 +36,7 @@ def test_huge_timeouts_non_contiguous_tensors_refused_calls_and_expired_deadline
 
 
 def test_a_second_thread_on_a_busy_group_is_refused_naming_both() -> None:
-    results = run_ranks("two_threads_one_group", 2, timeout=60)
+    results = run_ranks(reliability_ranks.two_threads_one_group, 2, timeout=60)
     info = describe(results)
     assert all(r.returncode == 0 for r in results), info
     rec = results[0].record("threads")
@@ -69,7 +70,7 @@ def test_engine_shutdown_while_another_thread_reads_stats() -> None:
 
 
 def test_every_public_op_times_out_naming_the_missing_rank() -> None:
-    results = run_ranks("every_op_times_out", 2, absent=(1,), timeout=90)
+    results = run_ranks(reliability_ranks.every_op_times_out, 2, absent=(1,), timeout=90)
     info = describe(results)
     assert results[0].returncode == 0, info
     rec = results[0].record("ops")
@@ -81,7 +82,7 @@ def test_every_public_op_times_out_naming_the_missing_rank() -> None:
 
 
 def test_a_member_killed_inside_recover_bounds_it_and_the_next_recover_works() -> None:
-    results = run_ranks("member_dies_inside_recover", 3, timeout=90)
+    results = run_ranks(reliability_ranks.member_dies_inside_recover, 3, timeout=90)
     info = describe(results)
     assert results[2].returncode == -9, info
     for r in results[:2]:
@@ -99,7 +100,9 @@ def test_the_store_host_dies_and_the_errors_say_so() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    results = run_ranks("store_host_dies", 3, timeout=90, env={"FASTDIST_RDZV_PORT": str(port)})
+    results = run_ranks(
+        reliability_ranks.store_host_dies, 3, timeout=90, env={"FASTDIST_RDZV_PORT": str(port)}
+    )
     info = describe(results)
     assert results[0].returncode == -9, info
     for r in results[1:]:
@@ -112,7 +115,7 @@ def test_the_store_host_dies_and_the_errors_say_so() -> None:
 
 
 def test_a_timeout_handler_that_raises_on_fastdist_s_thread_reaches_unraisablehook() -> None:
-    results = run_ranks("unwaited_handler_raises", 2, absent=(1,), timeout=60)
+    results = run_ranks(reliability_ranks.unwaited_handler_raises, 2, absent=(1,), timeout=60)
     info = describe(results)
     assert results[0].returncode == 0, info
     rec = results[0].record("unraisable")
@@ -121,7 +124,7 @@ def test_a_timeout_handler_that_raises_on_fastdist_s_thread_reaches_unraisableho
 
 
 def test_a_forked_child_exits_promptly() -> None:
-    results = run_ranks("fork_child_exits", 2, timeout=60)
+    results = run_ranks(reliability_ranks.fork_child_exits, 2, timeout=60)
     info = describe(results)
     assert all(r.returncode == 0 for r in results), info
     child = results[0].record("child")
@@ -129,7 +132,7 @@ def test_a_forked_child_exits_promptly() -> None:
 
 
 def test_recover_called_from_two_threads_at_once_is_shared_never_a_crash() -> None:
-    results = run_ranks("recover_from_two_threads", 2, timeout=100)
+    results = run_ranks(reliability_ranks.recover_from_two_threads, 2, timeout=100)
     info = describe(results)
     assert all(r.returncode == 0 for r in results), info
     for r in results:

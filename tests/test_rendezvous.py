@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import fastdist
 import pytest
+import rendezvous_ranks
 from fastdist import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -249,7 +250,9 @@ def test_init_process_group_rendezvous_names_the_rank_that_never_came() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from mp import describe, run_ranks
 
-    results = run_ranks("rdzv_init", 3, absent=(2,), env={"FASTDIST_RDZV_PORT": str(free_port())})
+    results = run_ranks(
+        rendezvous_ranks.rdzv_init, 3, absent=(2,), env={"FASTDIST_RDZV_PORT": str(free_port())}
+    )
     info = describe(results)
     elapsed = []
     for r in results[:2]:

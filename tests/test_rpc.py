@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+import rpc_ranks
 from mp import EXIT_SLACK, describe, run_ranks
 
 
@@ -13,7 +14,7 @@ def test_rpc_timeouts_are_typed_bounded_and_the_agent_keeps_working() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    results = run_ranks("rpc_timeouts", 2, env={"FASTDIST_RPC_PORT": str(port)}, timeout=100)
+    results = run_ranks(rpc_ranks.rpc_timeouts, 2, env={"FASTDIST_RPC_PORT": str(port)}, timeout=100)
     info = describe(results)
     r0, r1 = results
     assert r0.returncode == 0 and r1.returncode == 0, info

@@ -2,12 +2,13 @@
 torch.distributed.*) are bounded by fastdist scopes or the group's timeout, raise
 CollectiveTimeoutError naming the missing rank, and recover in place under the same objects.
 
-Timing: a step's scope is 2 s (scenarios_watched.STEP); the error must come after it and within
+Timing: a step's scope is 2 s (watched_ranks.STEP); the error must come after it and within
 the report window plus slack for a loaded 2-core machine."""
 
 from __future__ import annotations
 
 import pytest
+import watched_ranks
 from mp import EXIT_SLACK, describe, run_ranks
 
 pytestmark = pytest.mark.timeout(150)
@@ -30,24 +31,24 @@ def _check_training(results, info, world_size=3):
 
 
 def test_ddp_step_in_fail_after_names_the_stopped_rank_and_trains_on_after_recover() -> None:
-    results = run_ranks("watched_ddp", 3, timeout=120)
+    results = run_ranks(watched_ranks.watched_ddp, 3, timeout=120)
     _check_training(results, describe(results))
 
 
 def test_ddp_on_the_polled_path_the_nccl_logic_on_gloo() -> None:
     """The same DDP run with the group watched as NCCL groups are (completion polled, not taken
     from the future; FASTDIST_TEST_POLLED=1): the deadline, report and recovery hold there too."""
-    results = run_ranks("watched_ddp", 3, timeout=120, env={"FASTDIST_TEST_POLLED": "1"})
+    results = run_ranks(watched_ranks.watched_ddp, 3, timeout=120, env={"FASTDIST_TEST_POLLED": "1"})
     _check_training(results, describe(results))
 
 
 def test_fsdp2_step_in_fail_after_names_the_stopped_rank_and_trains_on_after_recover() -> None:
-    results = run_ranks("watched_fsdp2", 3, timeout=120)
+    results = run_ranks(watched_ranks.watched_fsdp2, 3, timeout=120)
     _check_training(results, describe(results))
 
 
 def test_torch_distributed_calls_scopes_group_timeout_subgroups_and_device_mesh() -> None:
-    results = run_ranks("watched_dist_ops", 4, timeout=120)
+    results = run_ranks(watched_ranks.watched_dist_ops, 4, timeout=120)
     info = describe(results)
     phases = ["all_reduce", "barrier", "sub_default", "mesh"]
     bounds = {"all_reduce": 1.0, "barrier": 1.0, "sub_default": 1.5, "mesh": 1.0}
@@ -71,7 +72,7 @@ def test_torch_distributed_calls_scopes_group_timeout_subgroups_and_device_mesh(
 
 
 def test_ctrl_c_inside_ddp_backward_and_recv_then_a_prompt_exit() -> None:
-    results = run_ranks("watched_ctrl_c", 2, absent=(1,), timeout=60)
+    results = run_ranks(watched_ranks.watched_ctrl_c, 2, absent=(1,), timeout=60)
     info = describe(results)
     r0 = results[0]
     assert r0.returncode == 0, info
@@ -88,7 +89,7 @@ def test_ctrl_c_inside_ddp_backward_and_recv_then_a_prompt_exit() -> None:
 
 
 def test_ctrl_c_on_one_rank_is_told_to_its_peers_at_once() -> None:
-    results = run_ranks("ctrl_c_rings_peers", 3, absent=(2,), timeout=60)
+    results = run_ranks(watched_ranks.ctrl_c_rings_peers, 3, absent=(2,), timeout=60)
     info = describe(results)
     assert results[0].returncode == 0 and results[1].returncode == 0, info
     assert results[0].record("interrupted")["after"] < 1.5, info

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import where_stuck_ranks
 from mp import describe, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -14,7 +15,9 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_the_error_says_where_each_rank_is_and_the_others_raise_at_once(tmp_path) -> None:
     dump_dir = tmp_path / "dumps"
-    results = run_ranks("where_stuck", 3, timeout=90, env={"FASTDIST_DUMP_DIR": str(dump_dir)})
+    results = run_ranks(
+        where_stuck_ranks.where_stuck, 3, timeout=90, env={"FASTDIST_DUMP_DIR": str(dump_dir)}
+    )
     info = describe(results)
     for r in results:
         assert r.returncode == 0, info
@@ -22,7 +25,7 @@ def test_the_error_says_where_each_rank_is_and_the_others_raise_at_once(tmp_path
     a0, a1 = results[0].record("a"), results[1].record("a")
     # Rank 0 timed out; its error names rank 2 where it is (function and line), and rank 1's op.
     assert a0["type"] == "CollectiveTimeoutError" and a0["missing"] == [2], info
-    assert "rank 2 is not in a collective: scenarios_watched.py:" in a0["message"], info
+    assert "rank 2 is not in a collective: ranks_common.py:" in a0["message"], info
     assert " in load_batch" in a0["stacks"]["2"][0], info
     assert "rank 1 is in all_reduce #" in a0["message"], info
     # Rank 1, in another op with a 60 s deadline, raised with rank 0, not at 60 s.
@@ -86,7 +89,7 @@ def test_a_peer_fault_ends_ops_on_the_polled_path_too() -> None:
     """The same on the NCCL path's logic (watched gloo groups polled for completion, as NCCL's
     works are; FASTDIST_TEST_POLLED=1): rank 1, in another op with a 60 s deadline, raises with
     rank 0, and rank 0's report says where rank 2 is."""
-    results = run_ranks("where_stuck", 3, timeout=90, env={"FASTDIST_TEST_POLLED": "1"})
+    results = run_ranks(where_stuck_ranks.where_stuck, 3, timeout=90, env={"FASTDIST_TEST_POLLED": "1"})
     info = describe(results)
     for r in results:
         assert r.returncode == 0 and r.has("recovered_b"), info
@@ -97,7 +100,7 @@ def test_a_peer_fault_ends_ops_on_the_polled_path_too() -> None:
 
 
 def test_a_subgroup_report_shows_the_thread_that_issues_its_ops() -> None:
-    results = run_ranks("subgroup_report_names_issuer", 2, timeout=60)
+    results = run_ranks(where_stuck_ranks.subgroup_report_names_issuer, 2, timeout=60)
     info = describe(results)
     assert all(r.returncode == 0 for r in results), info
     sub = results[0].record("sub")

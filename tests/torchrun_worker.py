@@ -26,7 +26,7 @@ def save() -> None:
     os.replace(os.path.join(OUT, f"{ATTEMPT}-{RANK}.json.tmp"), os.path.join(OUT, f"{ATTEMPT}-{RANK}.json"))
 
 
-from scenarios_watched import _stop_for as stop_self_for
+from ranks_common import stop_for as stop_self_for
 
 
 def train(steps: int, stop_at: int | None, timeout: float) -> None:

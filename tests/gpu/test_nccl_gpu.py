@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import nccl_gpu_ranks
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ def _save(name: str, data: object) -> None:
 
 
 def test_single_gpu_timeout_abort_and_recover() -> None:
-    results = run_ranks("gpu_nccl_timeout_and_recover", 1, timeout=240)
+    results = run_ranks(nccl_gpu_ranks.gpu_nccl_timeout_and_recover, 1, timeout=240)
     info = describe(results)
     r = results[0]
     assert r.returncode == 0, info
@@ -57,7 +58,7 @@ def test_single_gpu_timeout_abort_and_recover() -> None:
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 or more GPUs, this machine has {GPUS}")
 def test_rank_that_skips_the_collective_is_reported_missing() -> None:
     n = min(GPUS, 4)
-    results = run_ranks("gpu_nccl_missing_rank", n, absent=(n - 1,), timeout=240)
+    results = run_ranks(nccl_gpu_ranks.gpu_nccl_missing_rank, n, absent=(n - 1,), timeout=240)
     info = describe(results)
     for r in results[:-1]:
         assert r.returncode == 0, info

@@ -1,5 +1,4 @@
-"""Rank scenarios on the etcd store (tests/test_etcd.py): the job's store is etcd, at
-$FASTDIST_TEST_ETCD_URL; the harness's own TCPStore (ctx.store) only carries the test's signals."""
+"""The ranks of tests/test_etcd.py: a job on an etcd store."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import fastdist
 import torch
 import torch.distributed as dist
 from fastdist import CollectiveTimeoutError, GroupAbortedError
-from scenarios_watched import load_batch
+from ranks_common import load_batch
 
 
 def _init(ctx) -> None:

@@ -1,4 +1,4 @@
-"""Network-fault scenarios (tests/test_netfaults.py): each rank in its own network namespace,
+"""The ranks of tests/test_netfaults.py: each rank in its own network namespace,
 the job's store on a node of its own, faults made with nftables and link state."""
 
 from __future__ import annotations

@@ -1,0 +1,193 @@
+"""The ranks of the benchmarks that run scenarios (run by tests/mp.run_ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import fastdist
+import torch
+import torch.distributed as dist
+from fastdist import CollectiveTimeoutError
+from ranks_common import load_batch
+
+
+def bench_recovery(ctx) -> None:
+    """For bench/test_recovery_time.py: cycles of (the last rank skips a barrier, the others time
+    out, everyone recovers); records each rank's time from timeout to a good barrier. Also
+    records how long this process took from spawn to its first barrier (the restart cost)."""
+
+    spawned = float(os.environ.get("FASTDIST_SPAWNED_AT", "0"))
+    if os.environ.get("FASTDIST_TEST_ETCD_URL"):  # bench/test_etcd_store.py: the store in etcd
+        url = os.environ["FASTDIST_TEST_ETCD_URL"]
+        fastdist.init_process_group("gloo", url, rank=ctx.rank, world_size=ctx.world_size, timeout=60)
+    else:
+        ctx.init()
+    fastdist.barrier(timeout=30)
+    ctx.record("started", seconds_since_spawn=time.time() - spawned if spawned else -1)
+    for _ in range(int(os.environ.get("FASTDIST_BENCH_CYCLES", "3"))):
+        timed_out_at = None
+        if ctx.rank != ctx.world_size - 1:
+            try:
+                fastdist.barrier(timeout=0.5)
+            except CollectiveTimeoutError:
+                timed_out_at = time.time()
+        fastdist.recover(timeout=30)
+        fastdist.barrier(timeout=30)
+        ctx.record("cycle", timed_out_at=timed_out_at, recovered_at=time.time())
+
+
+def bench_reaping(ctx) -> None:
+    """For bench/: what reaping costs per op with 10,000 async works in flight, on the fake NCCL
+    double (CPU) or on real NCCL (FASTDIST_BENCH_BACKEND=nccl, one GPU)."""
+    import statistics
+
+    from fastdist.deadlines import engine
+    from fastdist.ops.polled import Reaper
+
+    backend = os.environ.get("FASTDIST_BENCH_BACKEND", "fake")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1)
+        t = torch.ones(1, device="cuda")
+    else:
+        import fake_nccl
+
+        fake_nccl.register()
+        fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1)
+        t = torch.ones(1)
+    pg = dist.distributed_c10d._get_default_group()
+    from torch.distributed.distributed_c10d import AllreduceOptions
+
+    n = int(os.environ.get("FASTDIST_BENCH_INFLIGHT", "10000"))
+    import collections
+
+    per_op: dict[bool, list[float]] = {True: [], False: []}
+    for ordered in (True, False):  # collectives (in issue order) / queried one by one (p2p)
+        for _ in range(5):
+            reaper = Reaper()  # private and not started: time its passes alone
+            eng = engine()
+            works = [pg.allreduce([t], AllreduceOptions()) for _ in range(n)]
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            tokens = [eng.add(eng.now() + 3600) for _ in range(n)]
+            reaper._queues[(0, ordered)] = collections.deque(zip(works, tokens))
+            t0 = time.perf_counter()
+            done = reaper.reap_once()
+            per_op[ordered].append((time.perf_counter() - t0) / max(done, 1))
+            assert done == n, done
+            assert all(tok.state == 1 for tok in tokens)
+    # The same through the public API: n async all_reduces in flight, then waited.
+    t0 = time.perf_counter()
+    handles = [fastdist.all_reduce(t, async_op=True, timeout=60) for _ in range(n)]
+    issued = time.perf_counter() - t0
+    for h in handles:
+        h.wait()
+    ctx.record(
+        "reaping",
+        backend=backend,
+        inflight=n,
+        reap_per_op_us=statistics.median(per_op[True]) * 1e6,
+        reap_each_per_op_us=statistics.median(per_op[False]) * 1e6,
+        issue_per_op_us=issued / n * 1e6,
+        total_s=time.perf_counter() - t0,
+    )
+
+
+def gpu_bench(ctx) -> None:
+    """For bench/: NCCL on one GPU. fastdist.all_reduce (returns once the GPU finished) against
+    dist.all_reduce + torch.cuda.synchronize(), interleaved, at 1 element and 1 MB."""
+    import statistics
+
+    torch.cuda.set_device(0)
+    fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1)
+    out = {}
+    for label, numel in (("1", 1), ("1mb", 256 * 1024)):
+        t = torch.ones(numel, device="cuda")
+        raw, fd = [], []
+        for i in range(600):
+            for which in (0, 1) if i % 2 == 0 else (1, 0):
+                t0 = time.perf_counter()
+                if which == 0:
+                    dist.all_reduce(t)
+                    torch.cuda.synchronize()
+                    raw.append(time.perf_counter() - t0)
+                else:
+                    fastdist.all_reduce(t, timeout=30)
+                    fd.append(time.perf_counter() - t0)
+        r, f = statistics.median(raw[50:]), statistics.median(fd[50:])
+        out[label] = {"raw_sync_us": r * 1e6, "fastdist_us": f * 1e6, "ratio": f / r}
+    # Issuing async all_reduces (500 in a row, then all waited), alternating raw and fastdist.
+    t = torch.ones(1, device="cuda")
+    issue: dict[str, list[float]] = {"raw": [], "fastdist": []}
+    for _ in range(7):
+        for which in ("raw", "fastdist"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if which == "raw":
+                handles = [dist.all_reduce(t, async_op=True) for _ in range(500)]
+            else:
+                handles = [fastdist.all_reduce(t, async_op=True, timeout=60) for _ in range(500)]
+            issue[which].append((time.perf_counter() - t0) / 500)
+            for h in handles:
+                h.wait()
+    r, f = statistics.median(issue["raw"][1:]), statistics.median(issue["fastdist"][1:])
+    out["async_issue"] = {"raw_us": r * 1e6, "fastdist_us": f * 1e6, "ratio": f / r}
+    ctx.record("gpu_bench", **out)
+
+
+def bench_detection(ctx) -> None:
+    """For bench/: time from the deadline to the error in the caller over N hangs on a 2-rank
+    subgroup, with the missing-rank report (the default) and without it."""
+    import statistics
+
+    from fastdist.diagnostics import board
+
+    ctx.init()
+    n = int(os.environ.get("FASTDIST_BENCH_HANGS", "50"))
+    timeout = 0.2
+    sub = dist.new_group([0, 1])
+    out = {}
+    for mode in ("with_report", "without_report"):
+        if mode == "without_report":
+            board.report = lambda *a, **k: None  # what a timeout costs before any store traffic
+        late = []
+        for _ in range(n):
+            if ctx.rank == 0:
+                start = fastdist.current_time()
+                try:
+                    fastdist.barrier(sub, timeout=timeout)
+                except CollectiveTimeoutError:
+                    late.append(fastdist.current_time() - (start + timeout))
+            sub = fastdist.recover(sub, timeout=30)
+        if late:
+            late.sort()
+            out[mode] = {
+                "median_ms": statistics.median(late) * 1e3,
+                "p99_ms": late[min(len(late) - 1, int(0.99 * len(late)))] * 1e3,
+                "n": len(late),
+            }
+    ctx.record("detection", **out)
+
+
+def bench_propagation(ctx) -> None:
+    """For bench/test_propagation.py: cycles in which rank 0's barrier times out at 0.5 s while the
+    middle ranks wait in the same barrier with a 60 s deadline and the last rank computes
+    elsewhere; records when rank 0's deadline passed and when each middle rank raised."""
+
+    ctx.init()
+    fastdist.barrier(timeout=30)
+    for i in range(int(os.environ.get("FASTDIST_BENCH_CYCLES", "5"))):
+        if ctx.rank == ctx.world_size - 1:
+            load_batch(ctx, f"go_{i}")
+        else:
+            timeout = 0.5 if ctx.rank == 0 else 60.0
+            start = time.time()
+            try:
+                fastdist.barrier(timeout=timeout)
+            except fastdist.FastdistError:
+                ctx.record("raised", cycle=i, deadline=start + timeout, at=time.time())
+            if ctx.rank == 0:
+                ctx.store.set(f"go_{i}", "1")
+        fastdist.recover(timeout=30)
+        fastdist.barrier(timeout=30)

@@ -1,0 +1,170 @@
+"""The ranks of tests/test_recovery.py: recover() after faults, its init methods, no leaks over cycles."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import fastdist
+import torch
+import torch.distributed as dist
+from fastdist import CollectiveTimeoutError
+from ranks_common import after_recovery
+
+
+class CountingStore(dist.Store):
+    """Wraps a store and counts every operation made through it."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+        self.ops = 0
+
+    def _count(self, name, *args):
+        self.ops += 1
+        return getattr(self.inner, name)(*args)
+
+    def set(self, key, value):
+        return self._count("set", key, value)
+
+    def get(self, key):
+        return self._count("get", key)
+
+    def add(self, key, value):
+        return self._count("add", key, value)
+
+    def check(self, keys):
+        return self._count("check", keys)
+
+    def wait(self, keys, timeout=None):
+        return self._count("wait", keys) if timeout is None else self._count("wait", keys, timeout)
+
+    def compare_set(self, key, expected, desired):
+        return self._count("compare_set", key, expected, desired)
+
+    def delete_key(self, key):
+        return self._count("delete_key", key)
+
+    def num_keys(self):
+        return self._count("num_keys")
+
+    def set_timeout(self, timeout):
+        return self.inner.set_timeout(timeout)
+
+
+def store_quiet_and_async_handler_exit(ctx) -> None:
+    """2 ranks. 100 healthy collectives make no store operation; then an async all_reduce that
+    nobody waits on times out, its handler runs on fastdist's thread and its sys.exit(7) ends the
+    process with code 7."""
+
+    counting = CountingStore(dist.PrefixStore("pg", ctx.store))
+    dist.init_process_group("gloo", store=counting, rank=ctx.rank, world_size=ctx.world_size)
+    fastdist.barrier(timeout=20)
+    before = counting.ops
+    t = torch.ones(4)
+    for _ in range(25):
+        fastdist.all_reduce(t, timeout=20)
+        fastdist.barrier(timeout=20)
+        fastdist.broadcast(t, src=0, timeout=20)
+        fastdist.all_gather([torch.zeros(4) for _ in range(2)], t, timeout=20)
+    ctx.record("store_ops", during=counting.ops - before, at_init=before)
+    if ctx.rank == 1:
+        ctx.wait_release()
+        return
+
+    def handler(err):
+        ctx.record(
+            "handler",
+            thread=threading.current_thread().name,
+            main=threading.current_thread() is threading.main_thread(),
+            message=str(err),
+        )
+        sys.exit(7)
+
+    fastdist.set_timeout_handler(handler)
+    h = fastdist.all_reduce(torch.ones(1), async_op=True, timeout=0.5)
+    ctx.record("issued", repr=repr(h))
+    time.sleep(30)  # nobody waits on h; the process must end from the handler
+    ctx.record("still_alive")
+
+
+def subgroup_dies_alone(ctx) -> None:
+    """3 ranks; subgroup {0, 1}. Rank 1 skips a subgroup barrier: rank 0 times out on the
+    subgroup alone; the default group keeps working; ranks 0 and 1 rebuild the subgroup."""
+    ctx.init()
+    sub = dist.new_group([0, 1])
+    fastdist.barrier(timeout=20)
+    if ctx.rank == 0:
+        try:
+            fastdist.barrier(sub, timeout=1.0)
+            ctx.record("no_timeout")
+        except CollectiveTimeoutError as e:
+            ctx.record("sub_timeout", message=str(e), missing=e.missing_ranks, group=e.group)
+    t = torch.tensor([float(ctx.rank + 1)])
+    fastdist.all_reduce(t, timeout=20)  # the default group is untouched
+    ctx.record(
+        "default_ok",
+        value=t.item(),
+        default_dead=fastdist.is_dead(),
+        sub_dead=fastdist.is_dead(sub) if ctx.rank < 2 else None,
+    )
+    if ctx.rank < 2:
+        new_sub = fastdist.recover(sub, timeout=20)
+        t = torch.tensor([float(ctx.rank + 1)])
+        fastdist.all_reduce(t, group=new_sub, timeout=20)
+        ctx.record(
+            "sub_recovered",
+            value=t.item(),
+            size=dist.get_world_size(new_sub),
+            default_still=dist.get_world_size(),
+        )
+    fastdist.barrier(timeout=20)
+
+
+def leak_cycles(ctx) -> None:
+    """2 ranks, 20 timeout -> recover cycles: thread and file descriptor counts stay flat."""
+
+    ctx.init()
+    counts, keys = [], []
+    for _ in range(20):
+        if ctx.rank == 0:
+            try:
+                fastdist.barrier(timeout=0.3)
+                raise AssertionError("no timeout")
+            except CollectiveTimeoutError:
+                pass
+        fastdist.recover(timeout=20)
+        assert fastdist.barrier(timeout=20)
+        counts.append((len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))))
+        keys.append(dist.distributed_c10d._get_default_store().num_keys())
+    ctx.record("counts", counts=counts, keys=keys)
+
+
+def init_methods_then_recover(ctx) -> None:
+    """fastdist.init_process_group through env:// (as torchrun sets it) or file://, then a
+    timeout and a recovery that works with what it kept."""
+
+    method = os.environ["FASTDIST_TEST_INIT"]
+    if method == "env":
+        # MASTER_PORT (a free port picked by the test) is served by rank 0, as under torchrun.
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size))
+        fastdist.init_process_group("gloo", "env://", timeout=30)
+    else:
+        fastdist.init_process_group(
+            "gloo",
+            f"file://{os.environ['FASTDIST_TEST_FILE']}",
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=30,
+        )
+    assert fastdist.get_rank() == ctx.rank and fastdist.get_world_size() == ctx.world_size
+    fastdist.barrier(timeout=20)
+    if ctx.rank == 0:
+        try:
+            fastdist.barrier(timeout=0.5)
+        except CollectiveTimeoutError as e:
+            ctx.record("timeout", missing=e.missing_ranks)
+    new = fastdist.recover(timeout=20)
+    after_recovery(ctx, new)
