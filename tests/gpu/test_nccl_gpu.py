@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 
-import nccl_gpu_ranks
 import pytest
 import torch
 import torch.distributed as dist
 from mp import describe, run_ranks
+
+from gpu import nccl_gpu_ranks
 
 HAS_CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if HAS_CUDA else 0
