@@ -251,3 +251,30 @@ def test_a_rank_arriving_after_the_deadline_decided_is_left_out() -> None:
     assert out[0] == out[1] == [0, 1]
     run(2, 5.0)  # after the others fixed the generation without it
     assert isinstance(out[2], RecoveryError) and "already rebuilt" in str(out[2]), out[2]
+
+
+def test_the_ringer_rings_again_the_ranks_under_a_silent_parent() -> None:
+    """A ring tree whose branch holds a rank that died unannounced (a node lost with its agent):
+    halfway through its window the ringer rings, directly, each rank that has not posted and
+    whose parent has not either; ranks under a parent that posted (and so forwarded) are not rung
+    twice, nor are ranks known dead."""
+    from fastdist.diagnostics import ring
+
+    store = dist.HashStore()
+    # 7 ranks rooted at rank 2: positions 1..6 are ranks 3, 4, 5, 6, 0, 1; the parent of
+    # position p is position (p - 1) // 2, so rank 3 (position 1) is the parent of 5 and 6.
+    st = _rank(store, 2, 7)
+    status = {"op": "all_reduce", "seq": 4, "state": "timed_out", "t": 1.0}
+    # Rank 3 is silent (the root rang it itself: not again); ranks 5 and 6 under it are rung.
+    assert ring.ring_missed(st, status, posted={2, 4, 0, 1}) == 2
+    got = {r: store.queue_len(ring.inbox(r)) for r in range(7)}
+    assert got == {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 1, 6: 1}, got
+    record = json.loads(store.queue_pop(ring.inbox(5), False))
+    assert (record["root"], record["op"], record["seq"]) == (2, "all_reduce", 4)
+    # Under a parent that posted (it was alive and forwarded) nobody is rung again; a rank known
+    # dead (the launcher said so) is not rung either.
+    assert ring.ring_missed(_rank(dist.HashStore(), 2, 7), status, posted={2, 3, 4}) == 0
+    fresh = dist.HashStore()
+    dead = {**status, "dead": "rank 6 is dead", "dead_ranks": [6]}
+    assert ring.ring_missed(_rank(fresh, 2, 7), dead, posted={2, 4}) == 1
+    assert [fresh.queue_len(ring.inbox(r)) for r in range(7)] == [0, 0, 0, 0, 0, 1, 0]

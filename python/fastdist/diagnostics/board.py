@@ -201,6 +201,25 @@ def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bo
     return _close(store, prefix, st.rank, "all")
 
 
+def _ring_missed(st: GroupState, store: Any, prefix: str, status: dict[str, Any]) -> None:
+    """The ringer, halfway through its window: rings the ranks its ring did not reach (see
+    fastdist.diagnostics.ring.ring_missed), unless the board is closed already."""
+    if not store.check([f"{prefix}/complete"]):
+        ring.ring_missed(st, status, posted_ranks(store, prefix))
+
+
+def posted_ranks(store: Any, prefix: str) -> set[int]:
+    """The group ranks whose status is on the board under ``prefix`` (one read of it)."""
+    if not store.check([f"{prefix}/status"]):
+        return set()
+    ranks = set()
+    for line in bytes(store.get(f"{prefix}/status")).decode(errors="replace").splitlines():
+        rec: Any = keys.parse_record(line, {"rank": int})
+        if rec is not None:
+            ranks.add(rec["rank"])
+    return ranks
+
+
 def _close(store: Any, prefix: str, rank: int, why: str) -> bool:
     """Closes the board under ``prefix``: True for the one rank whose close won (its token is
     its own, so that a close that lost never reads as won)."""
@@ -305,8 +324,22 @@ def report(
 
     def work(_abandoned: threading.Event) -> dict[str, Any]:  # (late posts to a closed board are harmless)
         mine = json.dumps(me)
+        again = None
         if not rung and store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
             ring.ring(st, me)  # the first to report: every other live rank learns it now
+            # Halfway through the window, once more to the ranks whose ring parent is silent.
+            again = keywait.at_deadline(
+                current_time() + span / 2,
+                lambda: _ring_missed(st, store, prefix, me),
+                "ringing the ranks the ring missed",
+            )
+        try:
+            return collect(_abandoned)
+        finally:
+            if again is not None:
+                again.cancel()
+
+    def collect(_abandoned: threading.Event) -> dict[str, Any]:
         if post_status(st, me):  # this rank's post completed the board: it summarizes
             return publish(st, store, prefix)
         # Until everyone posted or the window closes: whichever reporter's window ends first

@@ -132,7 +132,16 @@ class _Listener(threading.Thread):
                     conn.set_timeout(_FOREVER)
 
 
+# The fault records handled: a rank can be rung twice with one (its ringer rings the ranks whose
+# ring parent stayed silent again, directly: board.report), and acts once.
+_handled: set[bytes] = set()
+
+
 def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
+    key = raw if isinstance(raw, bytes) else str(raw).encode()
+    if key in _handled:
+        return
+    _handled.add(key)
     for pg in registry.watched_groups():
         st = pgstate.state_of(pg)
         if st.name != fault["group"] or st.generation != fault["gen"]:

@@ -64,11 +64,8 @@ def gil_note(record: dict[str, Any]) -> str:
     )
 
 
-def ring(st: GroupState, status: dict[str, Any]) -> None:
-    """Rings the group of ``st``: this rank reported its fault first (``status``: its record)."""
-    if st.store is None:
-        return
-    record = json.dumps(
+def _record(st: GroupState, status: dict[str, Any]) -> str:
+    return json.dumps(
         {
             "kind": "fault",
             "group": st.name,
@@ -82,8 +79,36 @@ def ring(st: GroupState, status: dict[str, Any]) -> None:
             **({"dead": status["dead"], "dead_ranks": status["dead_ranks"]} if status.get("dead") else {}),
         }
     )
+
+
+def ring(st: GroupState, status: dict[str, Any]) -> None:
+    """Rings the group of ``st``: this rank reported its fault first (``status``: its record)."""
+    if st.store is None:
+        return
+    record = _record(st, status)
     try:
         for child in children(st, st.rank, dead_of(status)):
             deliver(st.store, child, record)
     except RuntimeError as exc:  # a store without queues (FileStore): the others find out at their deadline
         logger.debug("fastdist: could not ring the group: %r", exc)
+
+
+def ring_missed(st: GroupState, status: dict[str, Any], posted: set[int]) -> int:
+    """Rings again, directly, each rank that has not posted (``posted``: group ranks) and whose
+    parent in the tree has not either: a parent that died unannounced (a whole node lost) holds
+    its subtree's ring, which would otherwise learn of the fault only at its own deadline (and
+    be named dead in the report). Called by the ringer halfway through its report's window;
+    returns how many it rang."""
+    if st.store is None:
+        return 0
+    record = _record(st, status)
+    dead = dead_of(status)
+    rung = 0
+    for pos in range(1, st.size):
+        rank = (st.rank + pos) % st.size
+        parent = (st.rank + (pos - 1) // 2) % st.size
+        if rank in posted or parent in posted or st.global_rank(rank) in dead:
+            continue
+        deliver(st.store, st.global_rank(rank), record)
+        rung += 1
+    return rung
