@@ -209,10 +209,11 @@ def _wait_for(path: Path, what: Callable[[dict[str, Any]], bool], count: int, ti
 def test_a_dead_node_is_replaced_by_a_new_agent_and_the_live_nodes_workers_go_on(
     reference: Path, tmp_path: Path
 ) -> None:
-    """Two agents on this host as two nodes (c10d rendezvous): node A runs ranks 0-1, node B rank
-    2. B's worker dies mid-backward at step 5 and B's agent is SIGKILLed with it (B has no
-    replacement to give, in case it sees the death first); a third agent started then takes
-    node B's place. A's workers are never restarted."""
+    """Two agents on this host as two nodes (c10d rendezvous): node A runs rank 0, node B ranks 1
+    and 2. B's rank 2 dies mid-backward at step 5 and B's agent is SIGKILLed (B has no
+    replacement to give, in case it sees the death first); rank 1, in a session of its own as
+    torch starts workers, dies with its agent. A third agent started then takes node B's place
+    and starts ranks 1 and 2 again. A's worker is never restarted."""
     out, events = tmp_path / "nodes", tmp_path / "events"
     out.mkdir()
     port = free_port()
@@ -236,34 +237,47 @@ def test_a_dead_node_is_replaced_by_a_new_agent_and_the_live_nodes_workers_go_on
     procs: list[subprocess.Popen[bytes]] = []
     logs = {name: tmp_path / f"{name}.log" for name in "abc"}
     try:
-        procs.append(agent(2, logs["a"]))
+        procs.append(agent(1, logs["a"]))
         _wait_for_port(port, 60)  # A hosts the rendezvous store (and so the job's)
-        procs.append(agent(1, logs["b"], "--max-replacements", "0"))
+        procs.append(agent(2, logs["b"], "--max-replacements", "0"))
         started = _wait_for(events, lambda e: e["event"] == "started", 3, 90)
         by_rank = {e["rank"]: e for e in started}
-        assert by_rank[2]["agent"] == procs[1].pid, started  # node B holds rank 2
+        assert by_rank[1]["agent"] == by_rank[2]["agent"] == procs[1].pid, started  # node B: ranks 1, 2
         _wait_for(events, lambda e: e["event"] == "kill", 1, 90)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(procs[1].pid, signal.SIGKILL)  # the node is gone
-        procs.append(agent(1, logs["c"]))
+            os.killpg(procs[1].pid, signal.SIGKILL)  # B's agent (its workers have sessions of their own)
+        assert _gone(by_rank[1]["pid"], 10), "rank 1 outlived its agent"
+        procs.append(agent(2, logs["c"]))
         codes = [p.wait(120) for p in (procs[0], procs[2])]
         text = {name: path.read_text(errors="replace") for name, path in logs.items()}
         assert codes == [0, 0], text
-        assert "in place of node 1 (its agent stopped answering): ranks 2-2 of 3 start again" in text["c"], (
-            text
-        )
-        assert "rank 2: joined the running job at step 5" in text["c"], text
+        said = "in place of node 1 (its agent stopped answering): ranks 1-2 of 3 start again"
+        assert said in text["c"], text
+        for r in (1, 2):
+            assert f"rank {r}: joined the running job at step 5" in text["c"], text
         evs = _events(events)
-        for r in (0, 1):  # the live node's workers: one process each from the first step to the last
-            assert {e["pid"] for e in evs if e["rank"] == r} == {by_rank[r]["pid"]}, evs
-            assert [e["step"] for e in evs if e["rank"] == r and e["event"] == "step"][-1] == STEPS, evs
-        joined = [e for e in evs if e["event"] == "joined"]
-        assert [(e["rank"], e["step"]) for e in joined] == [(2, 5)] and joined[0]["pid"] != by_rank[2][
-            "pid"
-        ], evs
+        # The live node's worker: one process from the first step to the last.
+        assert {e["pid"] for e in evs if e["rank"] == 0} == {by_rank[0]["pid"]}, evs
+        assert [e["step"] for e in evs if e["rank"] == 0 and e["event"] == "step"][-1] == STEPS, evs
+        joined = sorted((e["rank"], e["step"]) for e in evs if e["event"] == "joined")
+        assert joined == [(1, 5), (2, 5)], evs
         assert compare(str(reference), str(out), 3) <= 1e-6
     finally:
         kill_sessions(procs)
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` has ended (a zombie counts) within ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _wait_for_port(port: int, timeout: float) -> None:

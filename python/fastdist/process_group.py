@@ -90,6 +90,7 @@ def init_process_group(
             "or destroy the group first (torch.distributed.destroy_process_group())"
         )
     n_spares = joining.spares_arg(spares)
+    job.die_with_agent()
     configure_nccl_error_handling(backend)
     lineage["reconnect"] = None
     target = _tcp_target(init_method, store)

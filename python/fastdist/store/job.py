@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -34,6 +35,8 @@ def deaths_key() -> str:
 
 # Set by fastdist run in its workers' environment: a launcher that records deaths in the store.
 LAUNCHER_ENV = "FASTDIST_RUN"
+# ... and its own process id: its workers die with it (die_with_agent).
+AGENT_PID_ENV = "FASTDIST_AGENT_PID"
 _DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
 _job_store: Any = None
 
@@ -62,6 +65,32 @@ def deaths_since(since: float, ranks: list[int], wait: float) -> dict[int, str]:
         if found or time.monotonic() >= end:
             return found
         time.sleep(0.02)
+
+
+def die_with_agent() -> None:
+    """Under ``fastdist run``, makes this worker die (SIGKILL) when its agent's process ends. torch
+    starts each worker in a session of its own, so a worker outlives an agent that was killed; but
+    a node's agent and workers are replaced together (a new agent restarts all of the node's ranks:
+    fastdist.tools.nodes), and a worker left running would then hold a rank twice. Linux only."""
+    agent = os.environ.get(AGENT_PID_ENV, "")
+    if os.environ.get(LAUNCHER_ENV) != "1" or not agent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    if os.getppid() != int(agent):
+        # Started through a wrapper (a shell script, say), or the agent is gone already.
+        try:
+            os.kill(int(agent), 0)
+        except ProcessLookupError:
+            os.kill(os.getpid(), signal.SIGKILL)
+        except PermissionError:
+            pass
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != int(agent):  # the agent ended between the check and the line above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def job_running(store: Any) -> bool:

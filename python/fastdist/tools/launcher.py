@@ -341,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
     os.environ["FASTDIST_SPARES"] = str(args.spares)
     os.environ[job.LAUNCHER_ENV] = "1"  # the workers' errors may read the deaths recorded
+    os.environ[job.AGENT_PID_ENV] = str(os.getpid())  # and they die with this process
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
