@@ -122,8 +122,8 @@ class NodeLink:
             before = {g: int(store.add(f"node/{g}/beat", 0)) for g in range(nodes)}
             time.sleep(STALE_AFTER)
             for g in range(nodes):
-                if int(store.add(f"node/{g}/beat", 0)) != before[g]:
-                    continue
+                if int(store.add(f"node/{g}/beat", 0)) != before[g] or not store.check([f"node/{g}"]):
+                    continue  # alive, or not recorded yet (the first start is still under way)
                 slot = Slot(**json.loads(bytes(store.get(f"node/{g}"))))
                 if local_world_size is not None and slot.local_world_size != local_world_size:
                     raise SystemExit(
