@@ -205,19 +205,14 @@ def _ring_missed(st: GroupState, store: Any, prefix: str, status: dict[str, Any]
     """The ringer, halfway through its window: rings the ranks its ring did not reach (see
     fastdist.diagnostics.ring.ring_missed), unless the board is closed already."""
     if not store.check([f"{prefix}/complete"]):
-        ring.ring_missed(st, status, posted_ranks(store, prefix))
+        ring.ring_missed(st, status, posted_ranks(st, store, prefix))
 
 
-def posted_ranks(store: Any, prefix: str) -> set[int]:
+def posted_ranks(st: GroupState, store: Any, prefix: str) -> set[int]:
     """The group ranks whose status is on the board under ``prefix`` (one read of it)."""
     if not store.check([f"{prefix}/status"]):
         return set()
-    ranks = set()
-    for line in bytes(store.get(f"{prefix}/status")).decode(errors="replace").splitlines():
-        rec: Any = keys.parse_record(line, {"rank": int})
-        if rec is not None:
-            ranks.add(rec["rank"])
-    return ranks
+    return set(_records(st, bytes(store.get(f"{prefix}/status")))[0])
 
 
 def _close(store: Any, prefix: str, rank: int, why: str) -> bool:
@@ -401,11 +396,9 @@ def report(
 _MAX_FRAME_CHARS = 200
 
 
-def summarize(st: GroupState, raw: bytes) -> dict[str, Any]:
-    """The board's records (``raw``: one JSON status per line), summarized so that its size
-    depends on how many kinds of answer there were, not on how many ranks gave them: the ranks
-    of each ``(op, seq, state)`` as ranges, each distinct stack once with its ranks, the two
-    earliest timeouts, the straggler hint, and how many records were not fastdist's."""
+def _records(st: GroupState, raw: bytes) -> tuple[dict[int, dict[str, Any]], int]:
+    """The board's valid status records (``raw``: one JSON status per line) by rank, the first of
+    each rank's, and how many lines were not fastdist's."""
     records: dict[int, dict[str, Any]] = {}
     invalid = 0
     for line in raw.decode(errors="replace").splitlines():
@@ -414,6 +407,15 @@ def summarize(st: GroupState, raw: bytes) -> dict[str, Any]:
             invalid += 1  # not fastdist's: see the README's Security section
             continue
         records.setdefault(rec["rank"], rec)
+    return records, invalid
+
+
+def summarize(st: GroupState, raw: bytes) -> dict[str, Any]:
+    """The board's records (``raw``: one JSON status per line), summarized so that its size
+    depends on how many kinds of answer there were, not on how many ranks gave them: the ranks
+    of each ``(op, seq, state)`` as ranges, each distinct stack once with its ranks, the two
+    earliest timeouts, the straggler hint, and how many records were not fastdist's."""
+    records, invalid = _records(st, raw)
     classes: dict[tuple[str, int, str], list[int]] = {}
     stacks: dict[tuple[str, ...], list[int]] = {}
     timeouts: list[tuple[float, int]] = []
