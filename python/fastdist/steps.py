@@ -2,9 +2,10 @@
 
 Every framework integration (fastdist.lightning, fastdist.accelerate) and a loop written by hand
 share the rule of this module: the step runs in ``fail_after(timeout)``; when it raises a
-:class:`~fastdist.FastdistError`, :func:`fastdist.recover` rebuilds the group, what the failed
-attempt changed is put back (the gradients of the earlier micro-batches when accumulating, the RNG
-state), and the step runs again, at most ``max_retries`` times. A step whose optimizer had already
+:class:`~fastdist.FastdistError`, what the failed attempt changed is put back (the gradients of the
+earlier micro-batches when accumulating, the RNG state), :func:`fastdist.recover` rebuilds the
+group (a replacement that joins there is handed ``state`` as it was when the step began), and the
+step runs again, at most ``max_retries`` times. A step whose optimizer had already
 updated the parameters when it failed is never redone (that would apply the update twice): it
 raises ``RuntimeError`` saying so (not a FastdistError: a handler that recovers and retries must
 not catch it).
@@ -134,8 +135,9 @@ def redo_after_fault(
             log.warning(
                 "fastdist: step failed (%s); recovering and redoing it (%d of %d)", err, failures, max_retries
             )
-            recover(group, timeout=recover_timeout, state=state)
+            # Put back first: a rank that joins in the recovery is handed the step's start.
             start.restore()
+            recover(group, timeout=recover_timeout, state=state)
             if on_retry is not None:
                 on_retry()
 
