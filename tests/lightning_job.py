@@ -10,12 +10,20 @@ Each process fits the same model twice per accumulation setting: undisturbed, th
 stalling ``--stall`` seconds in its training_step at global step 3 (inside the optimizer step
 without accumulation; in the window's first micro-batch, before the step, with it). After each
 fit it saves what the test compares to ``DIR/rank{R}-accum{N}-{run}.pt``.
+
+``--kill`` (under ``fastdist run``): rank 2 SIGKILLs itself at global step 7 instead (the second
+epoch: the training data shrinks to 10 shuffled batches a rank), once per accumulation setting,
+and the replacement ``fastdist run`` starts skips the fits its rank already finished. Without
+dropout: a replacement cannot draw the masks the dead rank would have.
+
+    python -m fastdist.run --nproc-per-node 3 tests/lightning_job.py --out DIR --accum 1 2 --kill
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from typing import Any
 
@@ -26,16 +34,20 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 STALL_RANK, STALL_STEP = 2, 3
+KILL_STEP = 7  # with --kill: in the second epoch (5 steps an epoch with accumulate_grad_batches=2)
 
 
 class Net(L.LightningModule):
-    def __init__(self, accum: int, stall: float, fsdp2: bool = False) -> None:
+    def __init__(self, accum: int, stall: float, fsdp2: bool = False, kill: str | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
+            torch.nn.Linear(8, 16),
+            torch.nn.Tanh(),
+            torch.nn.Dropout(0.0 if kill else 0.2),
+            torch.nn.Linear(16, 1),
         )
-        self.accum, self.stall, self.stalled, self.fsdp2 = accum, stall, False, fsdp2
+        self.accum, self.stall, self.stalled, self.fsdp2, self.kill = accum, stall, False, fsdp2, kill
 
     def configure_model(self) -> None:
         if self.fsdp2:
@@ -49,11 +61,15 @@ class Net(L.LightningModule):
             self.stall
             and not self.stalled
             and self.global_rank == STALL_RANK
-            and self.global_step == STALL_STEP
+            and self.global_step == (KILL_STEP if self.kill else STALL_STEP)
             and idx % self.accum == 0
         ):
             self.stalled = True
-            time.sleep(self.stall)
+            if not self.kill:
+                time.sleep(self.stall)
+            elif not os.path.exists(self.kill):  # a marker: the replacement must not die too
+                open(self.kill, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
         loss = F.mse_loss(self.net(x), y)
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         return loss
@@ -68,19 +84,19 @@ class Net(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def data(n: int, seed: int) -> DataLoader:
+def data(n: int, seed: int, shuffle: bool = False) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4, shuffle=shuffle)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def fit(accum: int, stall: float, steps: int, fsdp2: bool = False) -> dict[str, Any]:
+def fit(accum: int, stall: float, steps: int, fsdp2: bool = False, kill: str | None = None) -> dict[str, Any]:
     torch.manual_seed(1)
-    model = Net(accum, stall, fsdp2)
+    model = Net(accum, stall, fsdp2, kill)
     timeouts = {"step_timeout": 2, "collective_timeout": 30, "recover_timeout": 60}
     strategy: Any
     if fsdp2:
@@ -102,7 +118,9 @@ def fit(accum: int, stall: float, steps: int, fsdp2: bool = False) -> dict[str, 
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, data(12 * steps * accum, 0), data(24, 1))
+    # --kill: epochs of 10 batches, shuffled (a replacement must follow the epoch's order).
+    train = data(3 * steps * accum, 0, shuffle=True) if kill else data(12 * steps * accum, 0)
+    trainer.fit(model, train, data(24, 1))
     opt = trainer.optimizers[0]
     return {
         "rank": trainer.global_rank,
@@ -114,6 +132,8 @@ def fit(accum: int, stall: float, steps: int, fsdp2: bool = False) -> dict[str, 
         "fit_loop": trainer.fit_loop.state_dict(),
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "retries": strategy.retries,
+        "joined_at": strategy.joined_at,
+        "pid": os.getpid(),
         "world": torch.distributed.get_world_size(),
     }
 
@@ -125,10 +145,18 @@ def main() -> None:
     p.add_argument("--stall", type=float, default=3.5)
     p.add_argument("--accum", type=int, nargs="+", default=[1, 2])
     p.add_argument("--fsdp2", action="store_true", help="FSDP2: fastdist.lightning.ModelParallelStrategy")
+    p.add_argument("--kill", action="store_true", help="rank 2 is SIGKILLed (under fastdist run)")
     args = p.parse_args()
+    runs = (("undisturbed", 0.0), ("killed" if args.kill else "stalled", args.stall))
+    rank = os.environ.get("RANK")
     for accum in args.accum:
-        for run, stall in (("undisturbed", 0.0), ("stalled", args.stall)):
-            result = fit(accum, stall, args.steps, args.fsdp2)
+        marker = os.path.join(args.out, f".killed-accum{accum}") if args.kill else None
+        for run, stall in runs:
+            if rank is not None and os.path.exists(
+                os.path.join(args.out, f"rank{rank}-accum{accum}-{run}.pt")
+            ):
+                continue  # a replacement: this rank's earlier process finished that fit
+            result = fit(accum, stall, args.steps, args.fsdp2, marker)
             path = os.path.join(args.out, f"rank{result['rank']}-accum{accum}-{run}.pt")
             torch.save(result, path)
 

@@ -108,6 +108,44 @@ def test_trainer_fsdp2_under_torchrun_redoes_a_step_and_a_micro_batch(tmp_path: 
     _check(out, [1, 2], _launch(cmd, 130))
 
 
+@pytest.mark.timeout(150)
+def test_trainer_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) -> None:
+    """Rank 2 SIGKILLs itself at global step 7 (second epoch, shuffled data), once with
+    accumulate_grad_batches=1 (in the optimizer step) and once with 2 (in the window's first
+    micro-batch, before the step): fastdist run starts a replacement, which joins the live ranks'
+    recovery, is handed the module, optimizer, scheduler and loop position, and runs the window's
+    earlier micro-batch itself. Ranks 0 and 1 are never restarted; every rank ends equal to an
+    undisturbed run in the same job, Lightning's counters included."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "fastdist.run", "--master-addr", "127.0.0.1", "--master-port"]
+    cmd += [str(free_port()), "--nproc-per-node", "3", str(HERE / "lightning_job.py"), "--out", str(out)]
+    text = _launch([*cmd, "--accum", "1", "2", "--kill"], 130)
+    started = [
+        ln for ln in text.splitlines() if ln.startswith("[fastdist run]") and "replacement started" in ln
+    ]
+    assert len(started) == 2 and all("rank 2:" in ln for ln in started), text[-4000:]
+    for accum in (1, 2):
+        ref = torch.load(out / f"rank0-accum{accum}-undisturbed.pt", weights_only=False)
+        for rank in range(3):
+            clean = torch.load(out / f"rank{rank}-accum{accum}-undisturbed.pt", weights_only=False)
+            got = torch.load(out / f"rank{rank}-accum{accum}-killed.pt", weights_only=False)
+            where = f"rank {rank}, accumulate_grad_batches={accum}"
+            if rank == 2:  # the replacement, which joined at the step it died in
+                assert got["pid"] != clean["pid"] and got["joined_at"] == 7 and got["retries"] == 0, where
+            else:  # never restarted: one process from the first fit to the last
+                assert got["pid"] == clean["pid"] and got["joined_at"] is None and got["retries"] == 1, where
+            assert got["world"] == 3 and got["global_step"] == clean["global_step"] == 20, where
+            assert _largest_difference(ref, clean) <= 1e-6, where
+            assert _largest_difference(ref, got) <= 1e-6, where
+            assert got["lr"] == clean["lr"] and got["scheduler"] == clean["scheduler"], where
+            assert got["fit_loop"] == clean["fit_loop"], where  # the joiner counts from where it joined
+            # The last epoch's means: every rank, the replacement too, ran all of that epoch.
+            assert got["metrics"].keys() == clean["metrics"].keys() >= {"train_loss_epoch", "val_loss"}, where
+            for key, value in clean["metrics"].items():
+                assert abs(got["metrics"][key] - value) <= 1e-6, (where, key)
+
+
 @pytest.mark.timeout(60)
 def test_strategy_arguments_and_both_lightning_packages() -> None:
     import fastdist.lightning as fl

@@ -30,6 +30,14 @@ state is put back too, so dropout draws the same masks.
 Manual optimization is refused at set-up unless ``max_retries=0``: fastdist cannot redo a step it
 does not run.
 
+A dead worker is replaced under ``fastdist run`` (the same script, any number of processes): the
+live ranks' failed step recovers with their state, and the replacement, which runs Lightning's
+set-up on a group of its own, joins that recovery before its first batch, is handed the
+LightningModule, optimizers, LR schedulers, precision plugin, callbacks' states and the fit
+loop's counters as they were when the step began, draws the epoch's batches up to the step's
+accumulation window from its loader, and runs the window's earlier micro-batches itself (its
+strategy collectives local meanwhile: the live ranks ran theirs before the fault).
+
 ``ModelParallelStrategy`` does the same for FSDP2 (``fully_shard`` in ``configure_model``); as
 FSDP2 communicates in every micro-batch, the window's earlier micro-batches, which Lightning runs
 outside the optimizer step, are bounded and redone one by one too.
@@ -54,6 +62,8 @@ import torch
 
 from .deadlines import fail_after
 from .process_group import init_process_group
+from .recovery import joining
+from .recovery.growing import sync_state
 from .steps import StepStart, check_retries, positive_seconds, redo_after_fault
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
@@ -97,7 +107,12 @@ class _Bounded:
 
     _fastdist_collective_timeout: float | None = None
 
+    def _catching_up(self) -> bool:
+        return False
+
     def _bounded(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._catching_up():
+            return _local(call.__name__, *args, **kwargs)
         if self._fastdist_collective_timeout is None:
             return call(*args, **kwargs)
         with fail_after(self._fastdist_collective_timeout):
@@ -113,6 +128,14 @@ class _Bounded:
         return self._bounded(super().all_gather, tensor, *args, **kwargs)  # type: ignore[misc]
 
 
+def _local(name: str, value: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """What a strategy collective gives on a replacement that catches up the micro-batches the
+    live ranks ran before the fault: its own value, as on a group of one."""
+    if name == "all_gather":
+        return torch.stack([value] * torch.distributed.get_world_size())
+    return value
+
+
 class _Mixin(_Bounded):
     """The behaviour fastdist adds to a Lightning strategy; the class is put together with the
     strategy of the installed package by :func:`ddp_strategy_class`."""
@@ -125,6 +148,11 @@ class _Mixin(_Bounded):
     # (FSDP2 reduce-scatters every backward; DDP's run under no_sync and issue none).
     _fastdist_micro_batches = False
     _fastdist_in_step = False
+    # What a rank that joins in a recovery is handed (set up in setup()); on a joiner, the batch
+    # whose optimizer step it joined in, until it has run it.
+    _fastdist_state: dict[str, Any] | None = None
+    _fastdist_catch_up_to: int | None = None
+    _fastdist_fabric: str  # the Fabric package beside the Lightning one (set by the class factory)
 
     def __init__(
         self,
@@ -144,6 +172,7 @@ class _Mixin(_Bounded):
         self._fastdist_recover_timeout = positive_seconds(recover_timeout, "recover_timeout")
         self._fastdist_max_retries = check_retries(max_retries)
         self.retries = 0  # steps redone in this process, for the user's logs and tests
+        self.joined_at: int | None = None  # on a replacement: the global step it joined at
         super().__init__(*args, **kwargs)
 
     # -- the group ---------------------------------------------------------------------------
@@ -176,9 +205,55 @@ class _Mixin(_Bounded):
                 "with manual optimization pass max_retries=0 and call fastdist.recover() in your step"
             )
         super().setup(trainer)  # type: ignore[misc]
+        self._fastdist_state = _handed_over(trainer)
         self._bound_sigterm_broadcast(trainer)
         if self._fastdist_micro_batches:
             self._bound_accumulating_micro_batches(trainer)
+        if joining.is_pending():
+            if self._fastdist_micro_batches:
+                raise RuntimeError(
+                    "fastdist.lightning.ModelParallelStrategy cannot bring a replacement of a dead rank up "
+                    "to date: its FSDP2 shards exist nowhere else; the live ranks' recovery times out and "
+                    "the job ends (use fastdist.lightning.DDPStrategy, or restart from a checkpoint)"
+                )
+            self._join_at_first_batch(trainer)
+
+    # -- a replacement of a dead rank -----------------------------------------------------------
+
+    def _join_at_first_batch(self, trainer: Any) -> None:
+        """On a process that takes a dead rank's place (``fastdist run``): its groups are local
+        until it joins, so Lightning's set-up runs here as on a group of one (no sanity
+        validation: the live ranks are not validating). Before its first batch it joins the live
+        ranks' recovery and is handed their state as it was when the failed step began; it goes
+        on from the first micro-batch of that step's accumulation window, which it runs without
+        collectives, as the dead rank had (its gradients died with it)."""
+        trainer.num_sanity_val_steps = 0
+        loop = trainer.fit_loop.epoch_loop
+
+        def first_batch(data_fetcher: Any) -> Any:
+            del loop.advance  # back to the class's
+            state = self._fastdist_state
+            assert state is not None
+            sync_state(state, timeout=self._fastdist_recover_timeout)
+            self._fastdist_catch_up_to = state["loop"].place(data_fetcher, self._fastdist_fabric)
+            self.joined_at = trainer.global_step
+            return loop.advance(data_fetcher)
+
+        loop.advance = first_batch
+
+    def _catching_up(self) -> bool:
+        """On a replacement, until it joins (its groups are local: a broadcast from another rank
+        would give garbage), and while it runs the batches up to the one whose step it joined in
+        (the live ranks ran their collectives outside that step before the fault)."""
+        if joining.is_pending():
+            return True
+        if self._fastdist_catch_up_to is None:
+            return False
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready <= self._fastdist_catch_up_to:
+            return True
+        self._fastdist_catch_up_to = None
+        return False
 
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         return self._bounded(super().reduce, tensor, *args, **kwargs)  # type: ignore[misc]
@@ -190,11 +265,16 @@ class _Mixin(_Bounded):
         the step's next op raises, so the step is redone as after any fault."""
         loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         original = getattr(loop, "_broadcast_sigterm_tensor", None)
-        if self._fastdist_step_timeout is None or original is None or getattr(original, "_fastdist", False):
+        if original is None or getattr(original, "_fastdist", False):
             return
         seconds = self._fastdist_step_timeout
 
         def bounded() -> None:
+            if self._catching_up():  # the live ranks broadcast for this batch before the fault
+                return
+            if seconds is None:
+                original()
+                return
             with fail_after(seconds):
                 original()
 
@@ -246,6 +326,7 @@ class _Mixin(_Bounded):
             _StepStart(self, optimizer),
             max_retries=self._fastdist_max_retries,
             recover_timeout=self._fastdist_recover_timeout,
+            state=self._fastdist_state,
         )
 
     # -- the training step -------------------------------------------------------------------
@@ -296,6 +377,95 @@ class _StepStart(StepStart):
                 del self.results[key]  # first logged by the failed attempt
             for key, states in self.logged.items():
                 _set_metric_states(self.results[key], states)
+
+
+def _handed_over(trainer: Any) -> dict[str, Any]:
+    """What a live rank hands to a rank that joins in a recovery (fastdist.recover's ``state``):
+    the LightningModule, its optimizers and LR schedulers, the precision plugin, the callbacks'
+    states and the fit loop's position. Handed over after the failed step's start is put back."""
+    state: dict[str, Any] = {
+        "module": trainer.lightning_module,
+        "precision": trainer.precision_plugin,
+        "callbacks": _Callbacks(trainer),
+        "loop": _LoopPosition(trainer),
+    }
+    for i, opt in enumerate(trainer.optimizers):
+        state[f"optimizer{i}"] = opt
+    for i, config in enumerate(trainer.lr_scheduler_configs):
+        state[f"scheduler{i}"] = config.scheduler
+    return state
+
+
+class _Callbacks:
+    """The callbacks' states (ModelCheckpoint's best scores...), as in a Lightning checkpoint."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {cb.state_key: cb.state_dict() for cb in self.trainer.callbacks}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for cb in self.trainer.callbacks:
+            if cb.state_key in sd:
+                cb.load_state_dict(sd[cb.state_key])
+
+
+class _LoopPosition:
+    """The fit loop's progress counters (epoch, batch, optimizer, scheduler, validation) and the
+    loggers' step, as a live rank has them in a step; a joiner puts itself there with
+    :meth:`place`."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.trainer.fit_loop.state_dict())
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loaded = sd
+
+    def place(self, data_fetcher: Any, fabric: str) -> int:
+        """Loads the counters at the first micro-batch of the window whose step the live ranks
+        redo, and the data at that batch of the same epoch (drawn from the loader); returns the
+        index of the window's last batch."""
+        assert self.loaded is not None
+        trainer, sd = self.trainer, copy.deepcopy(self.loaded)
+        fit = trainer.fit_loop
+        batch = sd["epoch_loop.batch_progress"]
+        last: int = batch["current"]["ready"] - 1  # the batch in whose step the fault came
+        first = last - last % trainer.accumulate_grad_batches
+        back = batch["current"]["completed"] - first
+        for part in ("current", "total"):
+            value = batch[part]["completed"] - back
+            batch[part].update(ready=value, started=value, processed=value, completed=value)
+        batch["is_last_batch"] = False
+        # The step was counted ready before it began; the window's first micro-batch zeroed the
+        # gradients (outside the step when it has earlier micro-batches): the joiner does it again.
+        optim = sd["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+        for part in ("current", "total"):
+            optim["step"][part]["ready"] = optim["step"][part]["completed"]
+            if first < last:
+                optim["zero_grad"][part] = {k: v - 1 for k, v in optim["zero_grad"][part].items()}
+        _load_progress(fit, sd, "")
+        set_epoch = importlib.import_module(fabric + ".utilities.data")._set_sampler_epoch
+        for loader in fit._combined_loader.flattened:
+            set_epoch(loader, fit.epoch_progress.current.processed)
+        iter(data_fetcher)  # this epoch's order, from its first batch
+        for _ in range(first):
+            next(data_fetcher)
+        return last
+
+
+def _load_progress(loop: Any, sd: dict[str, Any], prefix: str) -> None:
+    """A loop's and its children's counters from ``sd`` (Lightning's own per-loop load, without
+    marking the loops as restarting from a checkpoint: the joiner is mid-run)."""
+    base = next(c for c in type(loop).__mro__ if c.__name__ == "_Loop")
+    loop._load_from_state_dict(sd, prefix)
+    for name, child in vars(loop).items():
+        if isinstance(child, base):
+            _load_progress(child, sd, prefix + name + ".")
 
 
 # The state of what self.log keeps (Lightning's _ResultMetric, a torchmetrics Metric, or a dict of
