@@ -108,7 +108,9 @@ class _Bounded:
     _fastdist_collective_timeout: float | None = None
 
     def _catching_up(self) -> bool:
-        return False
+        """On a replacement until it joins: its groups are local, and a broadcast from another
+        rank would give garbage (an object's size)."""
+        return joining.is_pending()
 
     def _bounded(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         if self._catching_up():
@@ -242,10 +244,10 @@ class _Mixin(_Bounded):
         loop.advance = first_batch
 
     def _catching_up(self) -> bool:
-        """On a replacement, until it joins (its groups are local: a broadcast from another rank
-        would give garbage), and while it runs the batches up to the one whose step it joined in
-        (the live ranks ran their collectives outside that step before the fault)."""
-        if joining.is_pending():
+        """On a replacement, until it joins, and while it runs the batches up to the one whose
+        step it joined in (the live ranks ran their collectives outside that step before the
+        fault)."""
+        if super()._catching_up():
             return True
         if self._fastdist_catch_up_to is None:
             return False
