@@ -552,10 +552,18 @@ def _agree(
         decision = bytes(store.compare_set(f"{base}/closed", "", "all"))
     else:
         seen: list[bytes] = []  # the decision, as this rank's closer found it (set or read)
+        # The closer and the wait's end can cross: a closer already running when the key came is
+        # waited for (its answer is the decision), one that had not started is skipped. Either
+        # way the decision costs this rank one read at most.
+        closing = threading.Lock()
+        woke: list[bool] = []
 
         def close() -> None:
-            count = store.add(f"{base}/count", 0)
-            seen.append(bytes(store.compare_set(f"{base}/closed", "", f"deadline:{count}")))
+            with closing:
+                if woke:
+                    return
+                count = store.add(f"{base}/count", 0)
+                seen.append(bytes(store.compare_set(f"{base}/closed", "", f"deadline:{count}")))
 
         if gone:
             # This rank saw ranks go (their connections closed, no answer to the ring): the round
@@ -573,6 +581,8 @@ def _agree(
                 close()
         elif not keywait.wait_key(store, f"{base}/closed", deadline, close):
             raise StoreUnanswered("nobody could close the recovery agreement: the store is failing")
+        with closing:
+            woke.append(True)
         decision = seen[0] if seen else bytes(store.get(f"{base}/closed"))
     # Whoever closed it first decided for everyone: the last arrival (then no one can have fixed
     # fewer), or a deadline (then the arrivals it counted; a later one is left out).
