@@ -19,11 +19,11 @@ import weakref
 from typing import Any, Callable, NoReturn
 
 from ..deadlines import TimeoutLike, current_time, effective_deadline, engine
-from ..diagnostics import board, events, verdict
+from ..diagnostics import events, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError
 from ..groups import checks, pgstate
 from ..groups.opcall import OpCall
-from . import polled
+from . import expiry, polled
 from .work import (
     COMPLETED,
     EXPIRED,
@@ -95,11 +95,8 @@ def _with_last_seen(call: OpCall) -> OpCall:
 
 
 def _timed_out(call: OpCall, token: Any = None, cause: str | None = None) -> CollectiveTimeoutError:
-    """Marks the group dead and builds the report for a collective whose deadline passed."""
-    st = call.st
-    pgstate.mark_dead(call.pg, f"{call.name} timed out on rank {st.my_global_rank}", abandoned=token)
-    rep = board.report(st, call.op, call.seq, "timed_out", call.deadline - call.start)
-    return _counted(verdict.timeout_error(_with_last_seen(call), rep, cause), st)
+    """The error for a collective whose deadline passed (fastdist.ops.expiry), counted."""
+    return _counted(expiry.timed_out(_with_last_seen(call), cause, abandoned=token), call.st)
 
 
 def _counted(err: CollectiveTimeoutError, st: pgstate.GroupState) -> CollectiveTimeoutError:
@@ -133,20 +130,7 @@ def _wait_polled(call: OpCall, work: Any) -> Any:
         token.cancel()
     if finished:
         return _finished(call, work)
-    fail(_expire_polled(call))
-
-
-def _expire_polled(call: OpCall) -> CollectiveTimeoutError:
-    """At the deadline on an NCCL-like group: mark it dead, start aborting its communicators
-    (in the background, bounded), and assemble the report meanwhile."""
-    st = call.st
-    pgstate.mark_dead(call.pg, f"{call.name} timed out on rank {st.my_global_rank}")
-    call = _with_last_seen(call)
-    polled.abort_group(
-        call.pg, st.is_default, verdict.timeout_error(call, None, "aborting the communicators hung")
-    )
-    rep = board.report(st, call.op, call.seq, "timed_out", call.deadline - call.start)
-    return _counted(verdict.timeout_error(call, rep, "communicators aborted"), st)
+    fail(_timed_out(call, cause="communicators aborted"))  # aborted in fastdist.ops.expiry
 
 
 # Handles whose deadline passed wait here until its expiry ran (rare: one condition for all,
@@ -195,8 +179,8 @@ class UnwatchedWork(Work):
         try:
             if (self._polled or not self._has_future) and self._work.is_completed():
                 return  # finished; only nobody was told (no future, or not polled yet)
-            if self._polled:
-                self._error = _expire_polled(self._call)
+            if self._polled:  # its communicators are aborted (fastdist.ops.expiry)
+                self._error = _timed_out(self._call, cause="communicators aborted")
             else:
                 self._error = _timed_out(self._call, token=self._token)
                 abandon(self._token, self._callback_ref)

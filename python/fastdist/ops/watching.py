@@ -33,7 +33,7 @@ from ..diagnostics import board, dump, events, ring, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError, remember
 from ..groups import checks, pgstate, registry
 from ..groups.opcall import OpCall
-from . import polled
+from . import expiry, polled
 from .work import run_handler_unwaited
 
 if TYPE_CHECKING:
@@ -230,19 +230,9 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
     text = verdict.first_line(info["detail"] or "")
     said = verdict.classify(text)
     if kind == Kind.TIMEOUT or said == verdict.TIMEOUT:
-        _die(
-            pg,
-            st,
-            f"{op} #{seq} timed out on rank {st.my_global_rank}",
-            verdict.timeout_error(call, None, "aborting the communicators hung"),
-        )
-        rep = board.report(st, op, seq, "timed_out", deadline - start)
         cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
-        if rep is None and board.store_failure is not None:
-            cause = board.store_gone_reason()
-        if info.get("native"):
-            cause = _gil_held(info, deadline) + (f"; {cause}" if cause else "")
-        err: BaseException = verdict.timeout_error(call, rep, cause)
+        late = _gil_held(info, deadline) if info.get("native") else None
+        err: BaseException = expiry.timed_out(call, cause, late=late)
         _run_handler(err, info["waiter"])
         return err
     if said == verdict.PEER_CLOSED:
@@ -294,16 +284,7 @@ def _remote_fault(call: OpCall, info: dict[str, Any]) -> BaseException:
     # rank's timer fired first.
     own_also = peer.get("state") == "timed_out" and current_time() >= deadline - _SAME_MOMENT
     if (peer.get("op") == op and peer.get("seq") == seq and not late) or own_also:
-        _die(
-            pg,
-            st,
-            f"{op} #{seq} timed out on {who}",
-            verdict.timeout_error(call, None, "aborting the communicators hung"),
-        )
-        rep = board.report(
-            st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, rung=True
-        )
-        err = verdict.timeout_error(call, rep, f"{who} timed out first{ring.gil_note(peer)}")
+        err = expiry.timed_out(call, f"{who} timed out first{ring.gil_note(peer)}", rung_by=who)
         _run_handler(err, info["waiter"])
         return err
     verb = "timed out in" if peer.get("state") == "timed_out" else "failed in"
