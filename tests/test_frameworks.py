@@ -198,6 +198,20 @@ def test_strategy_arguments_and_both_lightning_packages() -> None:
         fl.ModelParallelStrategy(step_timeout=0)
 
 
+@pytest.mark.timeout(60)
+def test_spares_are_refused_before_lightning_splits_the_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under fastdist run --spares, WORLD_SIZE counts the spares; Lightning would shard the data
+    for ranks that do not train. Every strategy refuses it before making the group."""
+    import fastdist.lightning as fl
+
+    monkeypatch.setenv("FASTDIST_SPARES", "1")
+    before = torch.distributed.is_initialized()
+    for strategy in (fl.DDPStrategy(), fl.FabricDDPStrategy()):
+        with pytest.raises(ValueError, match=r"FASTDIST_SPARES=1 \(fastdist run --spares\) is not supported"):
+            fl._init_watched_group(strategy)
+    assert torch.distributed.is_initialized() == before  # no group made by the refusal
+
+
 def _check_loop(out: Path, text: str, optimizer_steps: int) -> None:
     """A hand-written loop's results (Fabric's, Accelerate's): the stall was real, every rank
     redid one step, and the disturbed run equals the undisturbed one."""

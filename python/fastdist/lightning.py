@@ -88,6 +88,16 @@ def _init_watched_group(strategy: Any) -> None:
     """The default group, made by :func:`fastdist.init_process_group` (watched) where Lightning
     would call torch's: from the strategy's cluster environment, with its backend and timeout. A
     group that exists already (a second ``fit``, or one the script made) is used as it is."""
+    spares = joining.spares_arg(None)
+    if spares:
+        # Lightning sizes the job (its check of devices x num_nodes, the samplers' shards) from
+        # the launcher's WORLD_SIZE, which counts the spares: the data would be split among ranks
+        # that do not train.
+        raise ValueError(
+            f"fastdist.lightning: FASTDIST_SPARES={spares} (fastdist run --spares) is not supported: "
+            "Lightning takes the world size from WORLD_SIZE, which counts the spares; run without "
+            "--spares (a dead worker is still replaced, by a new process)"
+        )
     if torch.distributed.is_initialized():
         return
     env = strategy.cluster_environment
