@@ -7,6 +7,15 @@ Each process trains twice: undisturbed, then with rank 2 stalling ``--stall`` s 
 micro-batch of optimizer step 3 (the one whose backward all-reduces; the gradients of the
 window's first micro-batch are in ``.grad`` then). After each run it saves what the test compares to
 ``DIR/rank{R}-{run}.pt``.
+
+``--kill`` (under ``fastdist run``): one step per accumulation window (both micro-batches in the
+step), the loop's position handed over with the model, and rank 2 SIGKILLs itself in the first
+micro-batch of window 3, once; the replacement joins with ``fastdist.sync_state``, skips the
+windows done with ``accelerator.skip_first_batches`` and trains on. No dropout: a replacement
+cannot draw the dead rank's masks. Runs ``undisturbed`` and ``killed`` (a replacement skips the
+runs its rank finished).
+
+    python -m fastdist.run --nproc-per-node 3 tests/accelerate_job.py --out DIR --kill
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import time
 from typing import Any
 
@@ -77,11 +87,86 @@ def train(stall: float) -> dict[str, Any]:
     }
 
 
+class Position:
+    """The loop's position: the accumulation windows done."""
+
+    def __init__(self) -> None:
+        self.windows = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": self.windows}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.windows = int(sd["windows"])
+
+
+def train_windows(kill: str | None) -> dict[str, Any]:
+    """One fastdist step per accumulation window; ``kill``: the marker of rank 2's death."""
+    kwargs = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=77))
+    fastdist.accelerate.init_process_group(kwargs)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[kwargs], gradient_accumulation_steps=ACCUM)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    position = Position()
+    state = {"model": model, "optim": opt, "sched": sched, "position": position}
+    joined = position.windows if fastdist.sync_state(state) else None  # a replacement: True
+    rank, losses = accelerator.process_index, []
+    batches = iter(accelerator.skip_first_batches(loader, position.windows * ACCUM) if joined else loader)
+    while position.windows < STEPS:
+        window = [next(batches) for _ in range(ACCUM)]
+
+        def one_window(window: list[Any] = window) -> torch.Tensor:
+            for j, (xb, yb) in enumerate(window):
+                dies = kill and rank == STALL_RANK and position.windows == STALL_STEP and j == 0
+                if dies and not os.path.exists(kill):  # once: the replacement must live
+                    open(kill, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                with accelerator.accumulate(model):
+                    loss = F.mse_loss(model(xb), yb)
+                    accelerator.backward(loss)
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+            return loss.detach()
+
+        loss = fastdist.accelerate.step(accelerator, one_window, timeout=2, state=state)
+        position.windows += 1
+        losses.append(accelerator.gather(loss).sum().item())  # a collective outside the step
+    accelerator.wait_for_everyone()
+    inner = opt.optimizer
+    net = accelerator.unwrap_model(model)
+    return {
+        "rank": rank,
+        "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
+        "momentum": [inner.state[p]["momentum_buffer"].clone() for p in net.parameters()],
+        "lr": [pg["lr"] for pg in inner.param_groups],
+        "optimizer_steps": sched.scheduler.last_epoch,
+        "losses": losses,
+        "joined": joined,
+        "pid": os.getpid(),
+        "world": torch.distributed.get_world_size(),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--stall", type=float, default=3.5)
+    p.add_argument("--kill", action="store_true", help="rank 2 is SIGKILLed (under fastdist run)")
     args = p.parse_args()
+    if args.kill:
+        marker = os.path.join(args.out, ".killed")
+        for run in ("undisturbed", "killed"):
+            path = os.path.join(args.out, f"rank{os.environ['RANK']}-{run}.pt")
+            if not os.path.exists(path):  # a replacement skips the runs its rank finished
+                torch.save(train_windows(marker if run == "killed" else None), path)
+        return
     for run, stall in (("undisturbed", 0.0), ("stalled", args.stall)):
         result = train(stall)
         torch.save(result, os.path.join(args.out, f"rank{result['rank']}-{run}.pt"))

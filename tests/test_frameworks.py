@@ -54,6 +54,17 @@ def _torchrun(script: str, out: Path, *args: str) -> list[str]:
     ]
 
 
+def _fastdist_run(script: str, out: Path, *args: str) -> list[str]:
+    """fastdist run with 3 workers on a free port, running tests/SCRIPT --out OUT ARGS."""
+    cmd = [sys.executable, "-m", "fastdist.run", "--master-addr", "127.0.0.1", "--master-port"]
+    return [*cmd, str(free_port()), "--nproc-per-node", "3", str(HERE / script), "--out", str(out), *args]
+
+
+def _replacements(text: str) -> list[str]:
+    """fastdist run's lines saying it started a replacement (not the summary's copies)."""
+    return [ln for ln in text.splitlines() if ln.startswith("[fastdist run]") and "replacement started" in ln]
+
+
 def _largest_difference(a: Any, b: Any) -> float:
     pairs = list(zip(a["params"].values(), b["params"].values())) + list(zip(a["momentum"], b["momentum"]))
     assert len(pairs) == len(a["params"]) + len(a["momentum"]) > 0
@@ -118,12 +129,8 @@ def test_trainer_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) -> 
     undisturbed run in the same job, Lightning's counters included."""
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "fastdist.run", "--master-addr", "127.0.0.1", "--master-port"]
-    cmd += [str(free_port()), "--nproc-per-node", "3", str(HERE / "lightning_job.py"), "--out", str(out)]
-    text = _launch([*cmd, "--accum", "1", "2", "--kill"], 130)
-    started = [
-        ln for ln in text.splitlines() if ln.startswith("[fastdist run]") and "replacement started" in ln
-    ]
+    text = _launch(_fastdist_run("lightning_job.py", out, "--accum", "1", "2", "--kill"), 130)
+    started = _replacements(text)
     assert len(started) == 2 and all("rank 2:" in ln for ln in started), text[-4000:]
     for accum in (1, 2):
         ref = torch.load(out / f"rank0-accum{accum}-undisturbed.pt", weights_only=False)
@@ -245,6 +252,33 @@ def test_accelerate_under_torchrun_with_accumulate(tmp_path: Path) -> None:
     _check_loop(out, _launch(cmd, 100), 60)  # 20 steps x 3 (Accelerate's scheduler rule)
     for rank in range(3):  # InitProcessGroupKwargs(timeout=) reached the group fastdist made
         assert torch.load(out / f"rank{rank}-stalled.pt", weights_only=False)["group_timeout"] == 77.0
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) -> None:
+    """One fastdist step per accumulation window (both micro-batches inside): rank 2 SIGKILLs
+    itself in window 3's first micro-batch; the live ranks redo the window, the replacement
+    joins with fastdist.sync_state, skips the windows done with accelerator.skip_first_batches,
+    and every rank ends equal to an undisturbed run in the same job."""
+    out = tmp_path / "out"
+    out.mkdir()
+    text = _launch(_fastdist_run("accelerate_job.py", out, "--kill"), 100)
+    started = _replacements(text)
+    assert len(started) == 1 and "rank 2:" in started[0], text[-4000:]
+    ref = torch.load(out / "rank0-undisturbed.pt", weights_only=False)
+    for rank in range(3):
+        clean = torch.load(out / f"rank{rank}-undisturbed.pt", weights_only=False)
+        got = torch.load(out / f"rank{rank}-killed.pt", weights_only=False)
+        if rank == 2:  # the replacement: from window 3 on
+            assert got["pid"] != clean["pid"] and got["joined"] == 3, got["joined"]
+        else:
+            assert got["pid"] == clean["pid"] and got["joined"] is None, rank
+        assert got["world"] == 3 and got["optimizer_steps"] == clean["optimizer_steps"], rank
+        assert _largest_difference(ref, clean) <= 1e-6 and _largest_difference(ref, got) <= 1e-6, rank
+        assert got["lr"] == clean["lr"], rank
+        skipped = got["joined"] or 0
+        assert len(got["losses"]) == 20 - skipped, rank
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"][skipped:])) <= 1e-6, rank
 
 
 @pytest.mark.timeout(30)

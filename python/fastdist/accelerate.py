@@ -72,10 +72,16 @@ def step(
 ) -> T:
     """Runs ``fn`` (forward, ``accelerator.backward``, the optimizers' step and zero_grad) in
     ``fail_after(timeout)``; after a fault, :func:`fastdist.recover` and ``fn`` again, at most
-    ``max_retries`` times, with the RNG state it started with and, under gradient accumulation,
-    the gradients of the window's earlier micro-batches (so the redone step sums the same
-    micro-batches as an undisturbed run). Call it inside ``accelerator.accumulate(model)``, once
-    per micro-batch: Accelerate counts the micro-batch once, when the block is entered.
+    ``max_retries`` times, with the RNG state, the accelerator's micro-batch count and, under
+    gradient accumulation, the gradients it started with (so the redone step sums the same
+    micro-batches as an undisturbed run). Call it once per micro-batch inside
+    ``accelerator.accumulate(model)``, or once per accumulation window with the window's
+    micro-batches (each in ``accumulate``) inside ``fn``: the whole window is then redone.
+
+    ``state`` (a dict of Statefuls: model, optimizer, scheduler, your loop's position) is handed
+    to a replacement of a dead rank in the recovery (``fastdist run``): the replacement calls
+    ``fastdist.sync_state(state)`` before its loop and goes on from that position (with
+    accumulation, step per window: the dead rank's earlier micro-batches died with it).
 
     A step whose optimizer had already updated the parameters when it failed (a collective after
     ``opt.step()`` inside ``fn``) is not redone: ``RuntimeError``. Keep logging and metric
@@ -88,7 +94,7 @@ def step(
     seconds = positive_seconds(timeout, "timeout")
     retries = check_retries(max_retries)
     recover_seconds = positive_seconds(recover_timeout, "recover_timeout")
-    start = StepStart(optimizers, keep_grads=accelerator.gradient_accumulation_steps > 1)
+    start = _Start(accelerator, optimizers)
 
     def attempt() -> T:
         with fail_after(seconds):
@@ -98,3 +104,17 @@ def step(
         attempt, start, max_retries=retries, recover_timeout=recover_seconds, state=state
     )
     return result
+
+
+class _Start(StepStart):
+    """The generic step start and the accelerator's micro-batch count, which ``accumulate()``
+    advances on entry (a step over a whole window enters it once per micro-batch)."""
+
+    def __init__(self, accelerator: Any, optimizers: Any) -> None:
+        super().__init__(optimizers, keep_grads=accelerator.gradient_accumulation_steps > 1)
+        self.accelerator = accelerator
+        self.count = accelerator.step
+
+    def restore(self) -> None:
+        super().restore()
+        self.accelerator.step = self.count
