@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
+from jobs_common import Position
 from torch.utils.data import DataLoader, TensorDataset
 
 STALL_RANK, STALL_STEP, STEPS, ACCUM = 2, 3, 20, 2
@@ -85,19 +86,6 @@ def train(stall: float) -> dict[str, Any]:
         "group_timeout": torch.distributed.group.WORLD._get_backend(torch.device("cpu")).default_timeout,
         "world": torch.distributed.get_world_size(),
     }
-
-
-class Position:
-    """The loop's position: the accumulation windows done."""
-
-    def __init__(self) -> None:
-        self.windows = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"windows": self.windows}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.windows = int(sd["windows"])
 
 
 def train_windows(kill: str | None) -> dict[str, Any]:

@@ -7,12 +7,21 @@ fastdist.lightning.FabricDDPStrategy, gradient accumulation over 2 micro-batches
 Each process trains twice: undisturbed, then with rank 2 stalling ``--stall`` s in the last
 micro-batch of optimizer step 3. After each run it saves what the test compares to
 ``DIR/rank{R}-{run}.pt``.
+
+``--kill`` (under ``fastdist run``): one fastdist step per accumulation window (both micro-batches
+in it), the loop's position handed over with the model, and rank 2 SIGKILLs itself in the first
+micro-batch of window 3, once; the replacement joins with ``fastdist.sync_state``, draws the
+windows done from its loader and trains on. No dropout: a replacement cannot draw the dead rank's
+masks. Runs ``undisturbed`` and ``killed`` (a replacement skips the runs its rank finished).
+
+    python -m fastdist.run --nproc-per-node 3 tests/fabric_job.py --out DIR --kill
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from typing import Any
 
@@ -20,6 +29,7 @@ import fastdist
 import fastdist.lightning
 import torch
 import torch.nn.functional as F
+from jobs_common import Position
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -72,14 +82,74 @@ def train(fabric: Fabric, stall: float) -> dict[str, Any]:
     }
 
 
+def train_windows(fabric: Fabric, kill: str | None) -> dict[str, Any]:
+    """One fastdist step per accumulation window; ``kill``: the marker of rank 2's death."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    model, fopt = fabric.setup(net, opt)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
+    data = TensorDataset(x, x.sum(1, keepdim=True).sin())
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4))
+    position = Position()
+    state = {"model": net, "optim": opt, "sched": sched, "position": position}
+    joined = position.windows if fastdist.sync_state(state) else None  # a replacement: True
+    batches = iter(loader)
+    for _ in range(position.windows * ACCUM):  # a replacement draws the windows done
+        next(batches)
+    losses = []
+    while position.windows < STEPS:
+        window = [next(batches) for _ in range(ACCUM)]
+
+        def step(window: list[Any] = window) -> torch.Tensor:
+            for j, (xb, yb) in enumerate(window):
+                dies = kill and fabric.global_rank == STALL_RANK and position.windows == STALL_STEP and j == 0
+                if dies and not os.path.exists(kill):  # once: the replacement must live
+                    open(kill, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                with fabric.no_backward_sync(model, enabled=j < ACCUM - 1):
+                    loss = F.mse_loss(model(xb), yb)
+                    fabric.backward(loss / ACCUM)
+            fopt.step()
+            fopt.zero_grad()
+            sched.step()
+            return loss.detach()
+
+        # keep_grads: a redone window starts from the gradients it started with (none).
+        loss = fastdist.run_step(step, timeout=2, optimizers=[fopt], keep_grads=True, state=state)
+        position.windows += 1
+        losses.append(fabric.all_reduce(loss, reduce_op="sum").item())
+    return {
+        "rank": fabric.global_rank,
+        "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
+        "momentum": [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()],
+        "lr": [pg["lr"] for pg in opt.param_groups],
+        "optimizer_steps": sched.last_epoch,
+        "losses": losses,
+        "joined": joined,
+        "pid": os.getpid(),
+        "world": torch.distributed.get_world_size(),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--stall", type=float, default=3.5)
+    p.add_argument("--kill", action="store_true", help="rank 2 is SIGKILLed (under fastdist run)")
     args = p.parse_args()
     strategy = fastdist.lightning.FabricDDPStrategy(collective_timeout=30)
     fabric = Fabric(accelerator="cpu", devices=3, strategy=strategy)
     fabric.launch()
+    if args.kill:
+        marker = os.path.join(args.out, ".killed")
+        for run in ("undisturbed", "killed"):
+            path = os.path.join(args.out, f"rank{fabric.global_rank}-{run}.pt")
+            if not os.path.exists(path):  # a replacement skips the runs its rank finished
+                torch.save(train_windows(fabric, marker if run == "killed" else None), path)
+        return
     for run, stall in (("undisturbed", 0.0), ("stalled", args.stall)):
         result = train(fabric, stall)
         torch.save(result, os.path.join(args.out, f"rank{result['rank']}-{run}.pt"))

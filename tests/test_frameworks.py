@@ -254,15 +254,11 @@ def test_accelerate_under_torchrun_with_accumulate(tmp_path: Path) -> None:
         assert torch.load(out / f"rank{rank}-stalled.pt", weights_only=False)["group_timeout"] == 77.0
 
 
-@pytest.mark.timeout(120)
-def test_accelerate_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) -> None:
-    """One fastdist step per accumulation window (both micro-batches inside): rank 2 SIGKILLs
-    itself in window 3's first micro-batch; the live ranks redo the window, the replacement
-    joins with fastdist.sync_state, skips the windows done with accelerator.skip_first_batches,
-    and every rank ends equal to an undisturbed run in the same job."""
-    out = tmp_path / "out"
-    out.mkdir()
-    text = _launch(_fastdist_run("accelerate_job.py", out, "--kill"), 100)
+def _check_replaced_loop(out: Path, text: str) -> None:
+    """A hand-written loop stepping per accumulation window under fastdist run (tests/fabric_job.py,
+    tests/accelerate_job.py with --kill): rank 2, SIGKILLed in window 3's first micro-batch, was
+    replaced; ranks 0 and 1 were never restarted; every rank ends equal to an undisturbed run in
+    the same job, and the replacement's gathered losses from window 3 on equal it too."""
     started = _replacements(text)
     assert len(started) == 1 and "rank 2:" in started[0], text[-4000:]
     ref = torch.load(out / "rank0-undisturbed.pt", weights_only=False)
@@ -279,6 +275,24 @@ def test_accelerate_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) 
         skipped = got["joined"] or 0
         assert len(got["losses"]) == 20 - skipped, rank
         assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"][skipped:])) <= 1e-6, rank
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) -> None:
+    """One fastdist.accelerate.step per accumulation window (both micro-batches inside, each in
+    accumulate()); the replacement skips the windows done with accelerator.skip_first_batches."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _check_replaced_loop(out, _launch(_fastdist_run("accelerate_job.py", out, "--kill"), 100))
+
+
+@pytest.mark.timeout(120)
+def test_fabric_loop_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) -> None:
+    """One fastdist.run_step per accumulation window, no_backward_sync for the first micro-batch;
+    the replacement draws the windows done from its loader."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _check_replaced_loop(out, _launch(_fastdist_run("fabric_job.py", out, "--kill"), 100))
 
 
 @pytest.mark.timeout(30)
