@@ -219,6 +219,21 @@ def test_spares_are_refused_before_lightning_splits_the_data(monkeypatch: pytest
     assert torch.distributed.is_initialized() == before  # no group made by the refusal
 
 
+@pytest.mark.timeout(60)
+def test_an_fsdp2_replacement_is_refused_at_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replacement under ModelParallelStrategy (FSDP2) stops at set-up saying why, before
+    Lightning sets anything up: the dead rank's shards exist nowhere else."""
+    import types
+
+    import fastdist.lightning as fl
+    from fastdist.recovery import joining
+
+    strategy = fl.ModelParallelStrategy(data_parallel_size=3, tensor_parallel_size=1)
+    monkeypatch.setattr(joining, "is_pending", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot bring a replacement of a dead rank up to date: its FSDP2"):
+        strategy.setup(types.SimpleNamespace(lightning_module=None))
+
+
 def _check_loop(out: Path, text: str, optimizer_steps: int) -> None:
     """A hand-written loop's results (Fabric's, Accelerate's): the stall was real, every rank
     redid one step, and the disturbed run equals the undisturbed one."""

@@ -216,18 +216,19 @@ class _Mixin(_Bounded):
                 "fastdist.lightning.DDPStrategy redoes failed steps only in automatic optimization; "
                 "with manual optimization pass max_retries=0 and call fastdist.recover() in your step"
             )
+        joiner = joining.is_pending()
+        if joiner and self._fastdist_micro_batches:
+            raise RuntimeError(
+                "fastdist.lightning.ModelParallelStrategy cannot bring a replacement of a dead rank up "
+                "to date: its FSDP2 shards exist nowhere else; the live ranks' recovery times out and "
+                "the job ends (use fastdist.lightning.DDPStrategy, or restart from a checkpoint)"
+            )
         super().setup(trainer)  # type: ignore[misc]
         self._fastdist_state = _handed_over(trainer)
         self._bound_sigterm_broadcast(trainer)
         if self._fastdist_micro_batches:
             self._bound_accumulating_micro_batches(trainer)
-        if joining.is_pending():
-            if self._fastdist_micro_batches:
-                raise RuntimeError(
-                    "fastdist.lightning.ModelParallelStrategy cannot bring a replacement of a dead rank up "
-                    "to date: its FSDP2 shards exist nowhere else; the live ranks' recovery times out and "
-                    "the job ends (use fastdist.lightning.DDPStrategy, or restart from a checkpoint)"
-                )
+        if joiner:
             self._join_at_first_batch(trainer)
 
     # -- a replacement of a dead rank -----------------------------------------------------------
@@ -274,7 +275,8 @@ class _Mixin(_Bounded):
         """Lightning broadcasts a "SIGTERM received" flag from rank 0 before every batch, outside
         the step, and ignores its errors. A rank that stalls before that broadcast would keep rank
         0 in it for the group's whole timeout; bounded by ``step_timeout``, it ends in time and
-        the step's next op raises, so the step is redone as after any fault."""
+        the step's next op raises, so the step is redone as after any fault. A replacement skips
+        it for the batches it catches up (the live ranks made it before the fault)."""
         loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         original = getattr(loop, "_broadcast_sigterm_tensor", None)
         if original is None or getattr(original, "_fastdist", False):
