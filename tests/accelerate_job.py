@@ -32,26 +32,32 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
-from jobs_common import Position
+from jobs_common import Position, result
 from torch.utils.data import DataLoader, TensorDataset
 
 STALL_RANK, STALL_STEP, STEPS, ACCUM = 2, 3, 20, 2
 
 
-def train(stall: float) -> dict[str, Any]:
+def _prepared(dropout: float) -> tuple[Any, Any, Any, Any, Any]:
+    """The group (timeout 77 s, through InitProcessGroupKwargs), the Accelerator and the prepared
+    model, optimizer, loader and scheduler."""
     kwargs = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=77))
     fastdist.accelerate.init_process_group(kwargs)
     accelerator = Accelerator(cpu=True, kwargs_handlers=[kwargs], gradient_accumulation_steps=ACCUM)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 1)
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
-    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    return accelerator, *accelerator.prepare(model, opt, loader, sched)
+
+
+def train(stall: float) -> dict[str, Any]:
+    accelerator, model, opt, loader, sched = _prepared(0.2)
     torch.manual_seed(1 + accelerator.process_index)
     rank, stalled, calls, losses = accelerator.process_index, False, 0, []
     for i, (xb, yb) in enumerate(loader):
@@ -73,34 +79,14 @@ def train(stall: float) -> dict[str, Any]:
             loss = fastdist.accelerate.step(accelerator, one_step, timeout=2)
         losses.append(accelerator.gather(loss).sum().item())  # a collective outside the step
     accelerator.wait_for_everyone()
-    inner = opt.optimizer
-    net = accelerator.unwrap_model(model)
-    return {
-        "rank": rank,
-        "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
-        "momentum": [inner.state[p]["momentum_buffer"].clone() for p in net.parameters()],
-        "lr": [pg["lr"] for pg in inner.param_groups],
-        "optimizer_steps": sched.scheduler.last_epoch,
-        "losses": losses,
-        "retries": calls - len(loader),
-        "group_timeout": torch.distributed.group.WORLD._get_backend(torch.device("cpu")).default_timeout,
-        "world": torch.distributed.get_world_size(),
-    }
+    timeout = torch.distributed.group.WORLD._get_backend(torch.device("cpu")).default_timeout
+    net, steps = accelerator.unwrap_model(model), sched.scheduler.last_epoch
+    return result(rank, net, opt.optimizer, steps, losses, retries=calls - len(loader), group_timeout=timeout)
 
 
 def train_windows(kill: str | None) -> dict[str, Any]:
     """One fastdist step per accumulation window; ``kill``: the marker of rank 2's death."""
-    kwargs = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=77))
-    fastdist.accelerate.init_process_group(kwargs)
-    accelerator = Accelerator(cpu=True, kwargs_handlers=[kwargs], gradient_accumulation_steps=ACCUM)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
-    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
-    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    accelerator, model, opt, loader, sched = _prepared(0.0)
     position = Position()
     state = {"model": model, "optim": opt, "sched": sched, "position": position}
     joined = position.windows if fastdist.sync_state(state) else None  # a replacement: True
@@ -127,19 +113,8 @@ def train_windows(kill: str | None) -> dict[str, Any]:
         position.windows += 1
         losses.append(accelerator.gather(loss).sum().item())  # a collective outside the step
     accelerator.wait_for_everyone()
-    inner = opt.optimizer
-    net = accelerator.unwrap_model(model)
-    return {
-        "rank": rank,
-        "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
-        "momentum": [inner.state[p]["momentum_buffer"].clone() for p in net.parameters()],
-        "lr": [pg["lr"] for pg in inner.param_groups],
-        "optimizer_steps": sched.scheduler.last_epoch,
-        "losses": losses,
-        "joined": joined,
-        "pid": os.getpid(),
-        "world": torch.distributed.get_world_size(),
-    }
+    net, steps = accelerator.unwrap_model(model), sched.scheduler.last_epoch
+    return result(rank, net, opt.optimizer, steps, losses, joined=joined, pid=os.getpid())
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import fastdist
 import fastdist.lightning
 import torch
 import torch.nn.functional as F
-from jobs_common import Position
+from jobs_common import Position, result
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -70,16 +70,7 @@ def train(fabric: Fabric, stall: float) -> dict[str, Any]:
 
         loss = fastdist.run_step(step, timeout=2, optimizers=[fopt], keep_grads=True)
         losses.append(fabric.all_reduce(loss, reduce_op="sum").item())  # bounded by collective_timeout
-    return {
-        "rank": fabric.global_rank,
-        "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
-        "momentum": [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()],
-        "lr": [pg["lr"] for pg in opt.param_groups],
-        "optimizer_steps": sched.last_epoch,
-        "losses": losses,
-        "retries": calls - len(loader),
-        "world": torch.distributed.get_world_size(),
-    }
+    return result(fabric.global_rank, net, opt, sched.last_epoch, losses, retries=calls - len(loader))
 
 
 def train_windows(fabric: Fabric, kill: str | None) -> dict[str, Any]:
@@ -121,17 +112,7 @@ def train_windows(fabric: Fabric, kill: str | None) -> dict[str, Any]:
         loss = fastdist.run_step(step, timeout=2, optimizers=[fopt], keep_grads=True, state=state)
         position.windows += 1
         losses.append(fabric.all_reduce(loss, reduce_op="sum").item())
-    return {
-        "rank": fabric.global_rank,
-        "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
-        "momentum": [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()],
-        "lr": [pg["lr"] for pg in opt.param_groups],
-        "optimizer_steps": sched.last_epoch,
-        "losses": losses,
-        "joined": joined,
-        "pid": os.getpid(),
-        "world": torch.distributed.get_world_size(),
-    }
+    return result(fabric.global_rank, net, opt, sched.last_epoch, losses, joined=joined, pid=os.getpid())
 
 
 def main() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 class Position:
     """A loop's position, handed to a replacement with the model: the accumulation windows done."""
@@ -16,3 +18,21 @@ class Position:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.windows = int(sd["windows"])
+
+
+def result(
+    rank: int, net: torch.nn.Module, opt: Any, optimizer_steps: int, losses: list[float], **extra: Any
+) -> dict[str, Any]:
+    """What a job saves after a run for tests/test_frameworks.py to compare: the model's
+    parameters, SGD's momentum and learning rates (``opt``: the torch optimizer), the scheduler's
+    step count, the losses, the world size, and ``extra``."""
+    return {
+        "rank": rank,
+        "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
+        "momentum": [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()],
+        "lr": [pg["lr"] for pg in opt.param_groups],
+        "optimizer_steps": optimizer_steps,
+        "losses": losses,
+        "world": torch.distributed.get_world_size(),
+        **extra,
+    }
