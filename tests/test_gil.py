@@ -92,10 +92,11 @@ def test_a_rank_holding_the_gil_at_its_deadline_is_reported_from_cpp(tmp_path: P
     assert codes == [0, 0, 0] and len(got) == 3, info
     in_op, holder, late = got[0], got[1], got[2]
     # Rank 0 was in the op with rank 1: it raises when rank 1's deadline passes (within the
-    # native report's 50 ms and the report's window), not when rank 1's Python runs again, 6 s
-    # later; and it says that rank 1 timed out, with why its stack is unknown.
+    # native report's 50 ms and the report's window: 0.24 s after it on an idle machine, 1.7 s
+    # once with the other pytest worker busy), not when rank 1's Python runs again, at
+    # HOLD_SECONDS; and it says that rank 1 timed out, with why its stack is unknown.
     assert in_op["error"] == "CollectiveTimeoutError", info
-    assert in_op["at"] < DEADLINE + 1.5, info
+    assert in_op["at"] < min(DEADLINE + 3.0, HOLD_SECONDS - 1.0), info
     assert "rank 1 timed out first" in in_op["message"] and "held the GIL" in in_op["message"], info
     # Rank 2 came after the fault: refused at once, told the same story; nobody "exited".
     assert late["error"] == "GroupAbortedError", info
