@@ -12,9 +12,9 @@ without accumulation; in the window's first micro-batch, before the step, with i
 fit it saves what the test compares to ``DIR/rank{R}-accum{N}-{run}.pt``.
 
 ``--kill`` (under ``fastdist run``): rank 2 SIGKILLs itself at global step 7 instead (the second
-epoch: the training data shrinks to 10 shuffled batches a rank), once per accumulation setting,
-and the replacement ``fastdist run`` starts skips the fits its rank already finished. Without
-dropout: a replacement cannot draw the masks the dead rank would have.
+epoch: the training data shrinks to 5 optimizer steps an epoch, shuffled), once per accumulation
+setting, and the replacement ``fastdist run`` starts skips the fits its rank already finished.
+Without dropout: a replacement cannot draw the masks the dead rank would have.
 
     python -m fastdist.run --nproc-per-node 3 tests/lightning_job.py --out DIR --accum 1 2 --kill
 """
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 STALL_RANK, STALL_STEP = 2, 3
-KILL_STEP = 7  # with --kill: in the second epoch (5 steps an epoch with accumulate_grad_batches=2)
+KILL_STEP = 7  # with --kill: in the second epoch (5 optimizer steps an epoch)
 
 
 class Net(L.LightningModule):
