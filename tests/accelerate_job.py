@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
-from jobs_common import Position, result
+from fastdist.examples.train_ddp import Progress
+from jobs_common import result
 from torch.utils.data import DataLoader, TensorDataset
 
 STALL_RANK, STALL_STEP, STEPS, ACCUM = 2, 3, 20, 2
@@ -87,17 +88,17 @@ def train(stall: float) -> dict[str, Any]:
 def train_windows(kill: str | None) -> dict[str, Any]:
     """One fastdist step per accumulation window; ``kill``: the marker of rank 2's death."""
     accelerator, model, opt, loader, sched = _prepared(0.0)
-    position = Position()
-    state = {"model": model, "optim": opt, "sched": sched, "position": position}
-    joined = position.windows if fastdist.sync_state(state) else None  # a replacement: True
+    progress = Progress()  # optimizer steps done: one a window
+    state = {"model": model, "optim": opt, "sched": sched, "progress": progress}
+    joined = progress.step if fastdist.sync_state(state) else None  # a replacement: its step
     rank, losses = accelerator.process_index, []
-    batches = iter(accelerator.skip_first_batches(loader, position.windows * ACCUM) if joined else loader)
-    while position.windows < STEPS:
+    batches = iter(accelerator.skip_first_batches(loader, progress.step * ACCUM) if joined else loader)
+    while progress.step < STEPS:
         window = [next(batches) for _ in range(ACCUM)]
 
         def one_window(window: list[Any] = window) -> torch.Tensor:
             for j, (xb, yb) in enumerate(window):
-                dies = kill and rank == STALL_RANK and position.windows == STALL_STEP and j == 0
+                dies = kill and rank == STALL_RANK and progress.step == STALL_STEP and j == 0
                 if dies and not os.path.exists(kill):  # once: the replacement must live
                     open(kill, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -110,7 +111,7 @@ def train_windows(kill: str | None) -> dict[str, Any]:
             return loss.detach()
 
         loss = fastdist.accelerate.step(accelerator, one_window, timeout=2, state=state)
-        position.windows += 1
+        progress.step += 1
         losses.append(accelerator.gather(loss).sum().item())  # a collective outside the step
     accelerator.wait_for_everyone()
     net, steps = accelerator.unwrap_model(model), sched.scheduler.last_epoch

@@ -29,7 +29,8 @@ import fastdist
 import fastdist.lightning
 import torch
 import torch.nn.functional as F
-from jobs_common import Position, result
+from fastdist.examples.train_ddp import Progress
+from jobs_common import result
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -84,19 +85,19 @@ def train_windows(fabric: Fabric, kill: str | None) -> dict[str, Any]:
     x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
     data = TensorDataset(x, x.sum(1, keepdim=True).sin())
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4))
-    position = Position()
-    state = {"model": net, "optim": opt, "sched": sched, "position": position}
-    joined = position.windows if fastdist.sync_state(state) else None  # a replacement: True
+    progress = Progress()  # optimizer steps done: one a window
+    state = {"model": net, "optim": opt, "sched": sched, "progress": progress}
+    joined = progress.step if fastdist.sync_state(state) else None  # a replacement: its step
     batches = iter(loader)
-    for _ in range(position.windows * ACCUM):  # a replacement draws the windows done
+    for _ in range(progress.step * ACCUM):  # a replacement draws the windows done
         next(batches)
     losses = []
-    while position.windows < STEPS:
+    while progress.step < STEPS:
         window = [next(batches) for _ in range(ACCUM)]
 
         def step(window: list[Any] = window) -> torch.Tensor:
             for j, (xb, yb) in enumerate(window):
-                dies = kill and fabric.global_rank == STALL_RANK and position.windows == STALL_STEP and j == 0
+                dies = kill and fabric.global_rank == STALL_RANK and progress.step == STALL_STEP and j == 0
                 if dies and not os.path.exists(kill):  # once: the replacement must live
                     open(kill, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -110,7 +111,7 @@ def train_windows(fabric: Fabric, kill: str | None) -> dict[str, Any]:
 
         # keep_grads: a redone window starts from the gradients it started with (none).
         loss = fastdist.run_step(step, timeout=2, optimizers=[fopt], keep_grads=True, state=state)
-        position.windows += 1
+        progress.step += 1
         losses.append(fabric.all_reduce(loss, reduce_op="sum").item())
     return result(fabric.global_rank, net, opt, sched.last_epoch, losses, joined=joined, pid=os.getpid())
 

@@ -7,19 +7,6 @@ from typing import Any
 import torch
 
 
-class Position:
-    """A loop's position, handed to a replacement with the model: the accumulation windows done."""
-
-    def __init__(self) -> None:
-        self.windows = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"windows": self.windows}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.windows = int(sd["windows"])
-
-
 def result(
     rank: int, net: torch.nn.Module, opt: Any, optimizer_steps: int, losses: list[float], **extra: Any
 ) -> dict[str, Any]:
