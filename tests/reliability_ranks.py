@@ -50,7 +50,7 @@ def reliability_single(ctx) -> None:
         except ValueError as e:
             errors[name] = str(e)
     ctx.record("contiguous", errors=errors)
-    before = st.watched.seq
+    before = st.ctl.seq
     refused = []
     for call in (
         lambda: fastdist.all_gather([torch.zeros(1)] * 3, torch.zeros(1), timeout=5),
@@ -60,7 +60,7 @@ def reliability_single(ctx) -> None:
             call()
         except (ValueError, TypeError) as e:
             refused.append(type(e).__name__)
-    ctx.record("seq", before=before, after=st.watched.seq, refused=refused)
+    ctx.record("seq", before=before, after=st.ctl.seq, refused=refused)
     with fastdist.fail_after(0.05):
         time.sleep(0.2)
         try:

@@ -157,6 +157,38 @@ def test_expired_scope_raises_at_once_and_marks_the_group_dead() -> None:
         fastdist.barrier(pg, timeout=10)
 
 
+def test_every_group_keeps_its_op_numbers_and_dead_state_by_one_set_of_rules() -> None:
+    """A group's GroupCtl (C++): its op numbers and last ops, and its dead reason, where the first
+    of fastdist's reasons stays unless a better one replaces it; an unwatched group has its own."""
+    from fastdist._native import _watched
+    from fastdist.groups import pgstate
+
+    ctl = _watched.GroupCtl("g", 0, 2)
+    assert [ctl.begin("all_reduce"), ctl.begin("barrier"), ctl.seq] == [1, 2, 2]
+    assert ctl.prev_of(2) == "all_reduce #1" and ctl.prev_of(1) is None
+    assert [(h["seq"], h["op"]) for h in ctl.history()] == [(1, "all_reduce"), (2, "barrier")]
+    assert not ctl.dead and ctl.settled_reason is None
+    assert ctl.settle_dead("barrier #2 timed out on rank 0: rank 1 is missing") is True
+    assert ctl.settle_dead("a later guess") is False
+    assert ctl.dead and ctl.settled_reason == "barrier #2 timed out on rank 0: rank 1 is missing"
+    assert ctl.settle_dead("a better reason", replace=True) is False and ctl.dead_reason == "a better reason"
+    ctl.revive()
+    assert (ctl.dead, ctl.settled_reason, ctl.seq, ctl.history()) == (False, None, 0, [])
+    with pytest.raises(ValueError, match="rank must be in"):
+        _watched.GroupCtl("g", 2, 2)
+    # A group fastdist does not watch numbers its ops and records its death in one of its own.
+    pg = _solo_group()
+    st = pgstate.state_of(pg)
+    assert st.watched is None and st.ctls() == [st.ctl]
+    fastdist.barrier(pg, timeout=10)
+    fastdist.all_reduce(torch.ones(1), group=pg, timeout=10)
+    assert st.ctl.seq == 2 and st.prev_op_of(2) == "barrier #1" and not fastdist.is_dead(pg)
+    pgstate.mark_dead(pg, "stopped by the test")
+    assert fastdist.is_dead(pg) and st.dead_reason == "stopped by the test"
+    with pytest.raises(GroupAbortedError, match="stopped by the test"):
+        fastdist.barrier(pg, timeout=10)
+
+
 def test_solo_group_collectives_work_with_every_kind_of_timeout() -> None:
     pg = _solo_group()
     assert fastdist.barrier(pg, timeout=10) is True

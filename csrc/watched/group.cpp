@@ -3,6 +3,7 @@
 #include "internal.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace fastdist::watched {
 
@@ -133,11 +134,35 @@ bool GroupCtl::mark_dead(const std::string& reason) {
   return true;
 }
 
+bool GroupCtl::settle_dead(const std::string& reason, bool replace) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const bool first = !settled_;
+  if (first || replace) {
+    dead_ = true;
+    settled_ = true;
+    dead_reason_ = reason;
+  }
+  return first;
+}
+
+std::string GroupCtl::settled_reason() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return settled_ ? dead_reason_ : std::string();
+}
+
+const char* intern(const std::string& op) {
+  static auto* mu = new std::mutex();
+  static auto* names = new std::unordered_set<std::string>();  // leaked: used until exit
+  std::lock_guard<std::mutex> lk(*mu);
+  return names->insert(op).first->c_str();
+}
+
 void GroupCtl::revive() {
   std::exception_ptr old;
   {
     std::lock_guard<std::mutex> lk(mu_);
     dead_ = false;
+    settled_ = false;
     dead_reason_.clear();
     // Every member starts the new generation at op 1, in step again.
     seq_ = 0;

@@ -128,31 +128,41 @@ PYBIND11_MODULE(_watched, m) {
            py::arg("rank"), py::arg("size"), py::arg("name"))
       .def("_set_sequence_number_for_group", [](SoloBackend&) {});
 
-  py::class_<WatchedBackend, c10d::Backend, c10::intrusive_ptr<WatchedBackend>>(m, "WatchedBackend")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& name, double default_timeout,
-                       bool polled) {
-             TORCH_CHECK(shared_engine(), "fastdist._watched.set_engine() was not called");
-             auto ctl = std::make_shared<GroupCtl>(name, inner->getRank(), inner->getSize(),
-                                                   seconds_arg(default_timeout, "default_timeout"), polled,
-                                                   shared_engine());
-             auto b = c10::make_intrusive<WatchedBackend>(inner, std::move(ctl));
-             register_backend(b);
-             return b;
+  // One group's op numbers, history and dead state (watched.h): a watched backend's `ctl`, or
+  // an unwatched group's, made here.
+  py::class_<GroupCtl, std::shared_ptr<GroupCtl>>(m, "GroupCtl")
+      .def(py::init([](const std::string& name, int rank, int size) {
+             if (size < 1 || rank < 0 || rank >= size) throw py::value_error("rank must be in [0, size)");
+             return std::make_shared<GroupCtl>(name, rank, size, kNever, false, shared_engine());
            }),
-           py::arg("inner"), py::arg("name"), py::arg("default_timeout"), py::arg("polled") = false)
-      .def_property_readonly("inner", &WatchedBackend::inner)
-      .def("swap_inner", &WatchedBackend::swap_inner, py::arg("fresh"), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("ctl_id", [](const WatchedBackend& b) { return b.ctl()->id(); })
-      .def_property_readonly("polled", [](const WatchedBackend& b) { return b.ctl()->polled; })
-      .def_property_readonly("seq", [](const WatchedBackend& b) { return b.ctl()->seq(); })
-      .def_property_readonly("dead", [](const WatchedBackend& b) { return b.ctl()->dead(); })
-      .def_property_readonly("dead_reason", [](const WatchedBackend& b) { return b.ctl()->dead_reason(); })
+           py::arg("name"), py::arg("rank"), py::arg("size"))
+      .def_property_readonly("id", &GroupCtl::id)
+      .def_property_readonly("seq", &GroupCtl::seq)
+      .def(
+          "begin", [](GroupCtl& ctl, const std::string& op) { return ctl.begin(intern(op), steady_now(), {}); },
+          py::arg("op"))
+      .def(
+          "prev_of",
+          [](GroupCtl& ctl, std::uint64_t seq) -> py::object {
+            auto prev = ctl.prev_of(seq);
+            return prev.empty() ? py::object(py::none()) : py::object(py::str(prev));
+          },
+          py::arg("seq"))
+      .def_property_readonly("dead", &GroupCtl::dead)
+      .def_property_readonly("dead_reason", &GroupCtl::dead_reason)
+      .def_property_readonly("settled_reason",
+                             [](GroupCtl& ctl) -> py::object {
+                               auto r = ctl.settled_reason();
+                               return r.empty() ? py::object(py::none()) : py::object(py::str(r));
+                             })
+      .def("settle_dead", &GroupCtl::settle_dead, py::arg("reason"), py::arg("replace") = false)
+      .def("revive", &GroupCtl::revive)
       // The group's last 64 ops, oldest first (fastdist.history).
       .def("history",
-           [](const WatchedBackend& b) {
+           [](GroupCtl& ctl) {
              py::list out;
              static const char* outcomes[] = {"pending", "ok", "timed_out", "failed"};
-             for (const auto& r : b.ctl()->history()) {
+             for (const auto& r : ctl.history()) {
                py::dict d;
                d["seq"] = r.seq;
                d["op"] = r.op;
@@ -173,7 +183,25 @@ PYBIND11_MODULE(_watched, m) {
                out.append(d);
              }
              return out;
-           })
+           });
+
+  py::class_<WatchedBackend, c10d::Backend, c10::intrusive_ptr<WatchedBackend>>(m, "WatchedBackend")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& name, double default_timeout,
+                       bool polled) {
+             TORCH_CHECK(shared_engine(), "fastdist._watched.set_engine() was not called");
+             auto ctl = std::make_shared<GroupCtl>(name, inner->getRank(), inner->getSize(),
+                                                   seconds_arg(default_timeout, "default_timeout"), polled,
+                                                   shared_engine());
+             auto b = c10::make_intrusive<WatchedBackend>(inner, std::move(ctl));
+             register_backend(b);
+             return b;
+           }),
+           py::arg("inner"), py::arg("name"), py::arg("default_timeout"), py::arg("polled") = false)
+      .def_property_readonly("inner", &WatchedBackend::inner)
+      .def("swap_inner", &WatchedBackend::swap_inner, py::arg("fresh"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("ctl_id", [](const WatchedBackend& b) { return b.ctl()->id(); })
+      .def_property_readonly("polled", [](const WatchedBackend& b) { return b.ctl()->polled; })
+      .def_property_readonly("ctl", [](const WatchedBackend& b) { return b.ctl(); })
       // The ops in flight on the group, oldest first: (op, seq, issuing thread, start).
       .def("inflight_ops",
            [](const WatchedBackend& b) {

@@ -160,6 +160,12 @@ struct OpRecord {
 // The benchmarks' switch: with it off, the history keeps only op names (for "last seen in").
 void set_history_enabled(bool on);
 
+// An op name that lives for the whole process (names of ops issued from Python: a handful).
+const char* intern(const std::string& op);
+
+// One group's op numbers, history and dead state: a watched backend's (each backend of a watched
+// group has one), or, made from Python, an unwatched group's (fastdist.groups.pgstate), so that
+// every group keeps them by the same rules.
 class GroupCtl {
  public:
   GroupCtl(std::string name, int rank, int size, Nanos default_timeout, bool polled, std::shared_ptr<Engine> engine)
@@ -175,7 +181,8 @@ class GroupCtl {
 
   std::uintptr_t id() const { return reinterpret_cast<std::uintptr_t>(this); }
 
-  // Numbers an op (1, 2, ...); the same numbers on every rank that issues the same ops.
+  // Numbers an op (1, 2, ...); the same numbers on every rank that issues the same ops. `op`
+  // must outlive the group (a literal, or intern()'s).
   std::uint64_t begin(const char* op, Nanos start, c10::ArrayRef<at::Tensor> ins);
   // Records how op `seq` ended (once; the first outcome stays).
   void end(std::uint64_t seq, Outcome outcome);
@@ -187,10 +194,18 @@ class GroupCtl {
   // stay in step across ranks.
   void rollback(std::uint64_t seq);
 
+  // The group's dead state, for watched and unwatched groups alike. A reason C++ gives itself
+  // (a fault's "op #n timed out", Ctrl-C) is provisional: Python's report says better, and its
+  // first reason replaces it (settle_dead). Refusals read whichever is there.
   bool dead();
   std::string dead_reason();
-  // Marks the group dead (first reason wins); false if it already was.
+  // Marks the group dead with a provisional reason; false if it already was dead.
   bool mark_dead(const std::string& reason);
+  // Python's reason: recorded unless one of Python's is there already (or `replace`). Returns
+  // whether none of Python's was there before.
+  bool settle_dead(const std::string& reason, bool replace);
+  // Python's reason, or "" when there is none (alive, or only a provisional one).
+  std::string settled_reason();
   // After recovery: alive again, with a fresh fault slot and no ops in flight.
   void revive();
 
@@ -224,6 +239,7 @@ class GroupCtl {
   static constexpr std::size_t kRing = 64;
   OpRecord ring_[kRing] = {};
   bool dead_ = false;
+  bool settled_ = false;  // dead_reason_ is Python's
   std::string dead_reason_;
   int fault_state_ = 0;  // 0 none, 1 being built, 2 delivered
   std::shared_ptr<const NativeReport> native_;

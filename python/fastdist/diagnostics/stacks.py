@@ -15,7 +15,7 @@ def issuer(backends: list[Any]) -> int:
     """The thread that issued the group's latest op, if it still runs (a subgroup's ops often come
     from a thread of their own), else the main thread: where this rank is, as far as the group
     is concerned."""
-    history = [h for b in backends for h in b.history()]
+    history = [h for b in backends for h in b.ctl.history()]
     if history:
         thread = int(max(history, key=lambda h: int(h["seq"]))["thread"])
         if thread in sys._current_frames():

@@ -1,5 +1,6 @@
-"""Process groups as fastdist sees them: resolving ``group=``, per-group state (name, sequence
-numbers, the store used for diagnostics), and the record of groups that died.
+"""Process groups as fastdist sees them: resolving ``group=``, per-group state (name, the store
+used for diagnostics, and its GroupCtl: op numbers, history and dead state, kept in C++ for every
+group), and the record of groups that died.
 
 A group whose collective timed out is dead: gloo closes its connections, and any later op on it
 fails or hangs. fastdist remembers that and refuses every later call on it at once with
@@ -30,8 +31,6 @@ from ..errors import GroupAbortedError
 logger = logging.getLogger(__name__)
 
 
-_OP_HISTORY = 64
-
 # Backend names (as dist.get_backend() gives them) whose works complete their future at enqueue,
 # so that completion must be polled (fastdist.ops.polled): NCCL.
 POLLED_BACKENDS = {"nccl"}
@@ -52,9 +51,9 @@ class GroupState:
     __slots__ = (
         "__weakref__",
         "_generation",
-        "_ops",
         "backend",
-        "dead_reason",
+        "checks_seq",
+        "ctl",
         "global_ranks",
         "is_default",
         "name",
@@ -62,7 +61,6 @@ class GroupState:
         "polled",
         "rank",
         "ref",
-        "seq",
         "size",
         "store",
         "watched",
@@ -77,11 +75,8 @@ class GroupState:
         # The store that diagnostics, checks and recovery use: the default store, which every
         # rank of every group shares. None for a hand-built backend outside any job.
         self.store: Any | None = _default_store() if self.global_ranks is not None else None
-        self.seq = 0
-        self._ops: list[str] = [""] * _OP_HISTORY  # op names by sequence number, a ring
-        # Why the group is dead, as text: an exception object would keep the frames of the call
-        # that failed, and with them the dead group itself, alive for good.
-        self.dead_reason: str | None = None
+        # fastdist's cross-rank checks number a watched group's checked calls apart from its ops.
+        self.checks_seq = 0
         self._generation = _generations.get(self.name, 0)
         self.backend = backend_name(pg)
         # NCCL-like: works must be polled for completion, and aborted at the deadline.
@@ -90,6 +85,10 @@ class GroupState:
         # The watched backend (fastdist._watched) when the group is watched: it numbers, bounds
         # and reports every op itself.
         self.watched = watched_backend(pg)
+        # The group's op numbers, history and dead state, kept in C++ by the same rules for every
+        # group: its watched backend's, or one of its own.
+        watched = self.watched
+        self.ctl: Any = _watched.GroupCtl(self.name, self.rank, self.size) if watched is None else watched.ctl
         # The thread in a blocking fastdist call on the group, if any (see collectives).
         self.owner: int | None = None
         _generation_began(self)
@@ -106,17 +105,28 @@ class GroupState:
 
     def begin(self, op: str) -> int:
         """Numbers the next op on this group (1, 2, ...): the same on every rank in step."""
-        seq = self.seq = self.seq + 1
-        self._ops[seq % _OP_HISTORY] = op
-        return seq
+        return int(self.ctl.begin(op))
 
     def prev_op_of(self, seq: int) -> str | None:
         """``"op #n"`` for the op issued just before ``seq``: the last one that every rank
         reached, when ``seq`` is the one that hung."""
-        prev = seq - 1
-        if prev < 1 or prev <= self.seq - _OP_HISTORY:
-            return None
-        return f"{self._ops[prev % _OP_HISTORY]} #{prev}"
+        prev: str | None = self.ctl.prev_of(seq)
+        return prev
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the group is dead, in fastdist's words (None: alive, or only C++'s own first
+        reason so far, which a fault's report replaces; see :func:`mark_dead`)."""
+        reason: str | None = self.ctl.settled_reason
+        return reason
+
+    def ctls(self) -> list[Any]:
+        """Every GroupCtl of the group: one per watched backend (a group with a CPU and a CUDA
+        backend has two), or its own."""
+        pg = self.ref()
+        if self.watched is None or pg is None:
+            return [self.ctl]
+        return [b.ctl for b in watched_backends(pg)]
 
     def global_rank(self, group_rank: int) -> int:
         return self.global_ranks[group_rank] if self.global_ranks is not None else group_rank
@@ -207,22 +217,29 @@ def name_of(pg: Any) -> str:
 
 
 def watched_backend(pg: Any) -> Any | None:
-    """The WatchedBackend registered in ``pg`` (fastdist._watched), or None: a group fastdist
-    does not watch."""
+    """The (first) WatchedBackend registered in ``pg`` (fastdist._watched), or None: a group
+    fastdist does not watch."""
+    backends = watched_backends(pg)
+    return backends[0] if backends else None
+
+
+def watched_backends(pg: Any) -> list[Any]:
+    """Every distinct WatchedBackend registered in ``pg``, in its devices' order."""
     if not isinstance(pg, dist.ProcessGroup):
-        return None
+        return []
     try:
         types = list(pg._device_types) or [torch.device("cpu")]
     except (AttributeError, RuntimeError):
-        return None
+        return []
+    out: list[Any] = []
     for device in types:
         try:
             backend = pg._get_backend(device)
         except RuntimeError:
             continue
-        if isinstance(backend, _watched.WatchedBackend):
-            return backend
-    return None
+        if isinstance(backend, _watched.WatchedBackend) and all(b.ctl_id != backend.ctl_id for b in out):
+            out.append(backend)
+    return out
 
 
 def _global_ranks(pg: Any) -> list[int] | None:
@@ -259,10 +276,10 @@ def mark_dead(
     end releases the group (see :func:`release_finished`). ``replace``: a better reason than
     the first one recorded (logged only if it is the first)."""
     st = state_of(pg)
+    first = False
+    for ctl in st.ctls():
+        first = ctl.settle_dead(reason, replace) or first
     with _lock:
-        first = st.dead_reason is None
-        if first or replace:
-            st.dead_reason = reason
         if abandoned is not None:
             entry = _held.setdefault(id(pg), (pg, []))
             entry[1].append(abandoned)
@@ -292,16 +309,14 @@ def is_dead(group: Any = None) -> bool:
     pg = resolve(group)
     if pg is None:
         return False
-    st = state_of(pg)
-    if st.watched is not None:
-        return bool(st.watched.dead)  # the watched backend knows first (a fault is marked there)
-    return st.dead_reason is not None
+    return any(ctl.dead for ctl in state_of(pg).ctls())
 
 
 def revive(st: GroupState) -> None:
-    """Records that the group of ``st`` works again (recovery rebuilt it in place)."""
-    with _lock:
-        st.dead_reason = None
+    """Records that the group of ``st`` works again (recovery rebuilt it in place; a watched
+    backend's swap_inner revives its own)."""
+    if st.watched is None:
+        st.ctl.revive()
 
 
 # Global ranks of a group (by name and generation) that closed their connections mid-op and did

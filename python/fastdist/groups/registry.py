@@ -40,27 +40,7 @@ def group_of(ctl_id: int) -> Any | None:
 backend_of = pgstate.watched_backend
 
 
-def backends_of(pg: Any) -> list[Any]:
-    """Every distinct WatchedBackend registered in ``pg``."""
-    out: list[Any] = []
-    seen: set[int] = set()
-    for device in _device_order(pg):
-        try:
-            b = pg._get_backend(device)
-        except RuntimeError:
-            continue
-        if isinstance(b, WatchedBackend) and b.ctl_id not in seen:
-            seen.add(b.ctl_id)
-            out.append(b)
-    return out
-
-
-def _device_order(pg: Any) -> list[torch.device]:
-    try:
-        types = list(pg._device_types)
-    except (AttributeError, RuntimeError):
-        types = []
-    return types or [torch.device("cpu")]
+backends_of = pgstate.watched_backends
 
 
 def history(group: Any = None) -> list[dict[str, Any]]:
@@ -75,7 +55,7 @@ def history(group: Any = None) -> list[dict[str, Any]]:
         return []
     out: list[dict[str, Any]] = []
     for b in backends_of(pg):
-        out.extend(b.history())
+        out.extend(b.ctl.history())
     return sorted(out, key=lambda r: int(r["seq"]))
 
 

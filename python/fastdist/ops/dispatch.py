@@ -76,8 +76,8 @@ def _run_watched(
     if checks.active:
         # Checked calls are numbered apart from the backend's ops: a call refused for a mismatch
         # issues no op, on every rank.
-        st.seq += 1
-        if not checks.verify(st, op, st.seq, f"{op}({signature()})", deadline):
+        st.checks_seq += 1
+        if not checks.verify(st, op, st.checks_seq, f"{op}({signature()})", deadline):
             deadline = min(deadline, _monotonic())  # the backend reports the timeout, with the report
     me = _get_ident()
     owner = st.owner

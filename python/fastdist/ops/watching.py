@@ -185,8 +185,8 @@ def _check(ctl_id: int, op: str, signature: str, deadline: float) -> bool:
     if pg is None:
         return True
     st = pgstate.state_of(pg)
-    st.seq += 1  # numbered apart from the backend's ops, as fastdist's own checked calls are
-    return checks.verify(st, op, st.seq, f"{op}({signature})", deadline)
+    st.checks_seq += 1  # numbered apart from the backend's ops, as fastdist's own checked calls are
+    return checks.verify(st, op, st.checks_seq, f"{op}({signature})", deadline)
 
 
 def _count(ctl_id: int, kind: Any, err: BaseException) -> None:

@@ -699,7 +699,7 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
             _forget_connections(root, gst, backend, gen - 2)
         pgstate.revive(gst)
         gst.generation = gen
-        gst.seq = 0
+        gst.checks_seq = 0
     pgstate.release_finished()
     return groups
 
