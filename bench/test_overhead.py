@@ -1,6 +1,10 @@
 """Fast-path overhead of fastdist's timeout-bounded collectives against raw torch.distributed,
 2 gloo ranks on loopback, measured interleaved in one run. Goal: ratio of medians <= 1.05.
 
+At 1 MB the raw side runs over the watched group's own gloo connections (bench/ops.py,
+same_connections): each connection settles into a speed of its own here, which swamped the
+comparison of two groups (ratios of 0.41 to 1.24 between runs).
+
 The pytest-benchmark figure is the fastdist call; the interleaved comparison, which is the
 number that matters, is in each benchmark's extra_info (and printed).
 """
@@ -47,9 +51,9 @@ def _pedantic(benchmark, pair, name: str, rounds: int) -> None:
 @pytest.mark.parametrize("op", ["all_reduce_1", "all_reduce_1mb", "ddp_step"])
 def test_watched_group_overhead(benchmark, pair, op: str) -> None:
     """torch.distributed's own calls, and a DDP training step (about 1M parameters), on a watched
-    group against the same on a plain gloo group. Goals: DDP <= 1.02, all_reduce 1 element <= 1.03,
-    1 MB <= 1.01."""
-    rounds = ROUNDS if op == "all_reduce_1" else max(10, ROUNDS // 6)
+    group against the same on a plain gloo group (at 1 MB: over the watched group's connections).
+    Goals: DDP <= 1.02, all_reduce 1 element <= 1.03, 1 MB <= 1.01."""
+    rounds = ROUNDS if op == "all_reduce_1" else max(10, ROUNDS // (6 if op == "ddp_step" else 3))
     result = pair.interleaved(f"raw_{op}", f"w_{op}", rounds)
     benchmark.extra_info.update(result)
     print(
