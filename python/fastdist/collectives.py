@@ -117,7 +117,7 @@ def barrier(group: Any = None, *, timeout: TimeoutLike = None, raise_on_timeout:
     if raise_on_timeout is not True and raise_on_timeout is not False:
         arguments.check_bool(raise_on_timeout, "raise_on_timeout")
     try:
-        dispatch.run("barrier", group, start, deadline, _issue_barrier, BarrierOptions, str)
+        dispatch.run("barrier", group, start, deadline, _issue_barrier, (), BarrierOptions, str)
     except CollectiveTimeoutError:
         if raise_on_timeout:
             raise
@@ -164,25 +164,30 @@ def all_gather(
         tensor = torch.view_as_real(tensor)
         tensor_list = [torch.view_as_real(t) for t in tensor_list]
 
-    def issue(pg: Any, opts: Any) -> Any:
-        if len(tensor_list) != pg.size():
-            raise ValueError(
-                f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got "
-                f"{len(tensor_list)}"
-            )
-        return pg.allgather([tensor_list], [tensor], opts)
-
     work = dispatch.run(
         "all_gather",
         group,
         start,
         deadline,
-        issue,
+        _issue_all_gather,
+        (tensor_list, tensor),
         AllgatherOptions,
-        lambda: arguments.sig(tensor, tensor_list),
+        _sig_all_gather,
         async_op,
     )
     return work if async_op else None
+
+
+def _issue_all_gather(pg: Any, opts: Any, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> Any:
+    if len(tensor_list) != pg.size():
+        raise ValueError(
+            f"tensor_list must hold one tensor per rank of the group ({pg.size()}), got {len(tensor_list)}"
+        )
+    return pg.allgather([tensor_list], [tensor], opts)
+
+
+def _sig_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> str:
+    return arguments.sig(tensor, tensor_list)
 
 
 def all_reduce(
@@ -200,23 +205,28 @@ def all_reduce(
         arguments.check_tensor(tensor, "tensor")
     if async_op is not False:
         arguments.check_bool(async_op, "async_op")
-    t = arguments.real(tensor)
-
-    def issue(pg: Any, opts: Any) -> Any:
-        return pg.allreduce([t], opts)
-
     work = dispatch.run(
         "all_reduce",
         group,
         start,
         deadline,
-        issue,
+        _issue_all_reduce,
+        (tensor, op),
         AllreduceOptions,
-        lambda: f"{arguments.sig(tensor)}, {op}",
+        _sig_reducing,
         async_op,
         (("reduceOp", op),),
     )
     return work if async_op else None
+
+
+def _issue_all_reduce(pg: Any, opts: Any, tensor: torch.Tensor, _op: Any) -> Any:
+    return pg.allreduce([arguments.real(tensor)], opts)
+
+
+def _sig_reducing(*args: Any) -> str:
+    """The tensors, then the reduce op (the last argument)."""
+    return f"{arguments.sig(*args[:-1])}, {args[-1]}"
 
 
 def reduce(
@@ -252,6 +262,7 @@ def reduce(
             start,
             deadline,
             issue,
+            (),
             None,
             lambda: f"{arguments.sig(tensor)}, dst={dst}, {op}",
             async_op,
@@ -287,6 +298,7 @@ def broadcast(
             start,
             deadline,
             issue,
+            (),
             None,
             lambda: f"{arguments.sig(tensor)}, src={src}",
             async_op,
@@ -309,24 +321,24 @@ def all_gather_into_tensor(
     arguments.check_tensor(output_tensor, "output_tensor")
     arguments.check_tensor(input_tensor, "input_tensor")
     arguments.check_bool(async_op, "async_op")
-    out, inp = arguments.real(output_tensor), arguments.real(input_tensor)
-
-    def issue(pg: Any, opts: Any) -> Any:
-        return pg._allgather_base(out, inp, opts)
-
     return _result(
         dispatch.run(
             "all_gather_into_tensor",
             group,
             start,
             deadline,
-            issue,
+            _issue_all_gather_into_tensor,
+            (output_tensor, input_tensor),
             AllgatherOptions,
-            lambda: arguments.sig(output_tensor, input_tensor),
+            arguments.sig,
             async_op,
         ),
         async_op,
     )
+
+
+def _issue_all_gather_into_tensor(pg: Any, opts: Any, output: torch.Tensor, input: torch.Tensor) -> Any:
+    return pg._allgather_base(arguments.real(output), arguments.real(input), opts)
 
 
 def reduce_scatter(
@@ -345,23 +357,27 @@ def reduce_scatter(
     arguments.check_tensor_list(input_list, "input_list")
     arguments.check_bool(async_op, "async_op")
 
-    def issue(pg: Any, opts: Any) -> Any:
-        return pg.reduce_scatter([output], [input_list], opts)
-
     return _result(
         dispatch.run(
             "reduce_scatter",
             group,
             start,
             deadline,
-            issue,
+            _issue_reduce_scatter,
+            (output, input_list, op),
             ReduceScatterOptions,
-            lambda: f"{arguments.sig(output, input_list)}, {op}",
+            _sig_reducing,
             async_op,
             (("reduceOp", op),),
         ),
         async_op,
     )
+
+
+def _issue_reduce_scatter(
+    pg: Any, opts: Any, output: torch.Tensor, input_list: list[torch.Tensor], _op: Any
+) -> Any:
+    return pg.reduce_scatter([output], [input_list], opts)
 
 
 def reduce_scatter_tensor(
@@ -380,23 +396,27 @@ def reduce_scatter_tensor(
     arguments.check_tensor(input, "input")
     arguments.check_bool(async_op, "async_op")
 
-    def issue(pg: Any, opts: Any) -> Any:
-        return pg._reduce_scatter_base(output, input, opts)
-
     return _result(
         dispatch.run(
             "reduce_scatter_tensor",
             group,
             start,
             deadline,
-            issue,
+            _issue_reduce_scatter_tensor,
+            (output, input, op),
             ReduceScatterOptions,
-            lambda: f"{arguments.sig(output, input)}, {op}",
+            _sig_reducing,
             async_op,
             (("reduceOp", op),),
         ),
         async_op,
     )
+
+
+def _issue_reduce_scatter_tensor(
+    pg: Any, opts: Any, output: torch.Tensor, input: torch.Tensor, _op: Any
+) -> Any:
+    return pg._reduce_scatter_base(output, input, opts)
 
 
 def gather(
@@ -489,6 +509,7 @@ def _rooted(
             start,
             deadline,
             issue,
+            (),
             None,
             lambda: f"{arguments.sig(tensor)}, {root_name}={root}",
             async_op,
@@ -512,22 +533,24 @@ def all_to_all(
     arguments.check_tensor_list(input_tensor_list, "input_tensor_list")
     arguments.check_bool(async_op, "async_op")
 
-    def issue(pg: Any, opts: Any) -> Any:
-        return pg.alltoall(output_tensor_list, input_tensor_list, opts)
-
     return _result(
         dispatch.run(
             "all_to_all",
             group,
             start,
             deadline,
-            issue,
+            _issue_all_to_all,
+            (output_tensor_list, input_tensor_list),
             AllToAllOptions,
-            lambda: arguments.sig(output_tensor_list, input_tensor_list),
+            arguments.sig,
             async_op,
         ),
         async_op,
     )
+
+
+def _issue_all_to_all(pg: Any, opts: Any, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
+    return pg.alltoall(outputs, inputs, opts)
 
 
 def all_to_all_single(
@@ -549,22 +572,32 @@ def all_to_all_single(
     out_splits = list(output_split_sizes or [])
     in_splits = list(input_split_sizes or [])
 
-    def issue(pg: Any, opts: Any) -> Any:
-        return pg.alltoall_base(arguments.real(output), arguments.real(input), out_splits, in_splits, opts)
-
     return _result(
         dispatch.run(
             "all_to_all_single",
             group,
             start,
             deadline,
-            issue,
+            _issue_all_to_all_single,
+            (output, input, out_splits, in_splits),
             AllToAllOptions,
-            lambda: f"{arguments.sig(output, input)}, {out_splits}, {in_splits}",
+            _sig_all_to_all_single,
             async_op,
         ),
         async_op,
     )
+
+
+def _issue_all_to_all_single(
+    pg: Any, opts: Any, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int]
+) -> Any:
+    return pg.alltoall_base(arguments.real(output), arguments.real(input), out_splits, in_splits, opts)
+
+
+def _sig_all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int]
+) -> str:
+    return f"{arguments.sig(output, input)}, {out_splits}, {in_splits}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,6 +641,7 @@ def _p2p(
         start,
         deadline,
         issue,
+        (),
         None,
         lambda: f"{arguments.sig(tensor)}, {name}={peer}, tag={tag}",
         async_op,

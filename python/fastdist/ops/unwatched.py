@@ -47,9 +47,10 @@ def run(
     st: pgstate.GroupState,
     start: float,
     deadline: float,
-    issue: Callable[[Any, Any], Any],
+    issue: Callable[..., Any],
+    args: tuple[Any, ...],
     kind: type | None,
-    signature: Callable[[], str],
+    signature: Callable[..., str],
     async_op: bool,
     fields: tuple[tuple[str, Any], ...],
 ) -> Any:
@@ -59,13 +60,13 @@ def run(
         pgstate.check_alive(st, op)
     seq = st.begin(op)
     call = OpCall(op, pg, st, seq, start, deadline)
-    if checks.active and not checks.verify(st, op, seq, f"{op}({signature()})", deadline):
+    if checks.active and not checks.verify(st, op, seq, f"{op}({signature(*args)})", deadline):
         fail(_timed_out(call, cause="while comparing signatures (FASTDIST_CHECK)"))
     now = _monotonic()
     if now >= deadline:
         # This rank skips the collective its peers will make, so the group is out of step.
         fail(_timed_out(call, cause="the deadline had passed before the call"))
-    work = issue(pg, None if kind is None else backend_options(kind, deadline, now, fields))
+    work = issue(pg, None if kind is None else backend_options(kind, deadline, now, fields), *args)
     if async_op:
         return UnwatchedWork(call, work)
     if st.polled:

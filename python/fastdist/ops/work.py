@@ -217,6 +217,9 @@ _OPTIONS_STEP_MS = 10
 # About 31 years: a longer per-call timeout overflows in the backend (gloo's milliseconds).
 _BACKEND_TIMEOUT_MAX = 1e9
 _options_cache: dict[tuple[Any, ...], Any] = {}
+# The same options with no per-call timeout, by (kind, fields): a watched group's ops (its backend
+# gives gloo its timeout itself) find theirs with one lookup.
+plain_options: dict[tuple[Any, ...], Any] = {}
 
 
 def backend_options(kind: type, deadline: float, now: float, fields: tuple[tuple[str, Any], ...] = ()) -> Any:
@@ -241,6 +244,8 @@ def backend_options(kind: type, deadline: float, now: float, fields: tuple[tuple
             setattr(opts, name, value)
         if key is not None and len(_options_cache) < 1024:
             _options_cache[key] = opts
+            if ms < 0:
+                plain_options[kind, fields] = opts
     return opts
 
 
