@@ -78,14 +78,14 @@ def make_ops(world_size: int) -> dict[str, Callable[[], None]]:
     return {
         # fastdist's own calls (on a watched group, as after fastdist.init_process_group) against
         # raw torch on a plain gloo group.
-        "raw_barrier": lambda: dist.barrier(plain),
+        "raw_barrier": lambda: dist.barrier(same),
         "fd_barrier": lambda: fastdist.barrier(watched, timeout=30),
-        "raw_all_gather_1": lambda: dist.all_gather(out1, one, plain),
+        "raw_all_gather_1": lambda: dist.all_gather(out1, one, same),
         "fd_all_gather_1": lambda: fastdist.all_gather(out1, one, watched, timeout=30),
         # 1 MB: raw torch over the watched group's own connections (see same_connections).
         "raw_all_gather_1mb": lambda: dist.all_gather(out_mb, mb, same),
         "fd_all_gather_1mb": lambda: fastdist.all_gather(out_mb, mb, watched, timeout=30),
-        "raw_all_reduce_1": lambda: dist.all_reduce(one, group=plain),
+        "raw_all_reduce_1": lambda: dist.all_reduce(one, group=same),
         "fd_all_reduce_1": lambda: fastdist.all_reduce(one, group=watched, timeout=30),
         "raw_all_reduce_1mb": lambda: dist.all_reduce(mb, group=same),
         "fd_all_reduce_1mb": lambda: fastdist.all_reduce(mb, group=watched, timeout=30),
