@@ -1,10 +1,11 @@
 """The compiled extensions, imported here only: ``_core`` (the deadline engine, no torch in it)
-and ``_watched`` (the watched c10d backend, which links libtorch)."""
+and ``_watched`` (the watched c10d backend, which links libtorch); and which of a group's
+backends are watched ones."""
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,9 +20,32 @@ if torch.__version__ != TORCH_VERSION:
     )
 
 if TYPE_CHECKING:  # typed by the stubs beside this file (_core.pyi, _watched.pyi)
-    from . import _core, _watched
+    # The modules by their full names: "from . import" would read as an import of the package's
+    # __init__, the top floor, from this bottom one.
+    import fastdist._core as _core  # noqa: PLR0402
+    import fastdist._watched as _watched  # noqa: PLR0402
 else:  # extension modules: loaded by their full names
     _core = importlib.import_module("fastdist._core")
     _watched = importlib.import_module("fastdist._watched")
 
-__all__ = ["_core", "_watched"]
+__all__ = ["_core", "_watched", "watched_backends"]
+
+
+def watched_backends(pg: Any) -> list[Any]:
+    """Every distinct WatchedBackend registered in the ProcessGroup ``pg``, in its devices'
+    order: none for a group fastdist does not watch (or anything that is not a ProcessGroup)."""
+    if not isinstance(pg, torch.distributed.ProcessGroup):
+        return []
+    try:
+        types = list(pg._device_types) or [torch.device("cpu")]
+    except (AttributeError, RuntimeError):
+        return []
+    out: list[Any] = []
+    for device in types:
+        try:
+            backend = pg._get_backend(device)
+        except RuntimeError:
+            continue
+        if isinstance(backend, _watched.WatchedBackend) and all(b.ctl_id != backend.ctl_id for b in out):
+            out.append(backend)
+    return out

@@ -21,7 +21,7 @@ import types
 import warnings
 from typing import Any, Callable, Union
 
-from ._native import _core, _watched
+from ._native import _core, _watched, watched_backends
 from .errors import typed_error_for
 
 __all__ = [
@@ -184,10 +184,8 @@ def _check_default_group() -> None:
     if not dist.is_available() or not dist.is_initialized():
         return
     _default_group_checked = True
-    from .groups.registry import is_watched
-
     pg = dist.group.WORLD
-    if pg is not None and not is_watched(pg):
+    if pg is not None and not watched_backends(pg):
         # Point at the user's `with` line: the first frame outside this module.
         level, frame = 1, sys._getframe(0)  # type: int, types.FrameType | None
         while frame is not None and frame.f_code.co_filename == __file__:

@@ -19,13 +19,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _Backend
 
 _world = dist.distributed_c10d._world
 
-from .._native import _watched
+from .._native import _watched, watched_backends
 from ..errors import GroupAbortedError
 
 logger = logging.getLogger(__name__)
@@ -221,25 +220,6 @@ def watched_backend(pg: Any) -> Any | None:
     fastdist does not watch."""
     backends = watched_backends(pg)
     return backends[0] if backends else None
-
-
-def watched_backends(pg: Any) -> list[Any]:
-    """Every distinct WatchedBackend registered in ``pg``, in its devices' order."""
-    if not isinstance(pg, dist.ProcessGroup):
-        return []
-    try:
-        types = list(pg._device_types) or [torch.device("cpu")]
-    except (AttributeError, RuntimeError):
-        return []
-    out: list[Any] = []
-    for device in types:
-        try:
-            backend = pg._get_backend(device)
-        except RuntimeError:
-            continue
-        if isinstance(backend, _watched.WatchedBackend) and all(b.ctl_id != backend.ctl_id for b in out):
-            out.append(backend)
-    return out
 
 
 def _global_ranks(pg: Any) -> list[int] | None:

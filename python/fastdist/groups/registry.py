@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._native import _watched
+from .._native import _watched, watched_backends
 from . import pgstate
 
 WatchedBackend = _watched.WatchedBackend
@@ -40,7 +40,7 @@ def group_of(ctl_id: int) -> Any | None:
 backend_of = pgstate.watched_backend
 
 
-backends_of = pgstate.watched_backends
+backends_of = watched_backends
 
 
 def history(group: Any = None) -> list[dict[str, Any]]:
