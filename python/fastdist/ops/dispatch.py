@@ -54,13 +54,12 @@ def run(
     # ``signature`` are module-level functions). Each microsecond of Python before the op costs
     # several in a collective's latency when ranks share cores (measured: 1.2 us of Python
     # before each 2-rank all_reduce made it 5-8 us slower).
-    pg = (
-        _world.default_pg
-        if group is None
-        else group
-        if type(group) is _ProcessGroup
-        else pgstate.resolve(group)
-    )
+    if group is None:
+        pg = _world.default_pg
+    elif type(group) is _ProcessGroup:
+        pg = group
+    else:
+        pg = pgstate.resolve(group)  # checks what group= is
     if pg is None:
         if group is None:
             pgstate.resolve(None)  # raises: the default group is not initialized
