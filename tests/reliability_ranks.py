@@ -275,7 +275,9 @@ def unwaited_handler_raises(ctx) -> None:
     fastdist.set_timeout_handler(handler)
     h = fastdist.all_reduce(torch.ones(1), async_op=True, timeout=0.3)
     deadline = time.monotonic() + 10
-    while not seen and time.monotonic() < deadline:
+    # The handler runs while the timeout's error is built, a moment before the op ends with it:
+    # wait for both (seeing only the first once made the handle read "not completed").
+    while not (seen and h.is_completed()) and time.monotonic() < deadline:
         time.sleep(0.05)
     ctx.record("unraisable", seen=seen, completed=h.is_completed(), error=type(h.exception()).__name__)
 
