@@ -22,7 +22,7 @@ from ..deadlines import TimeoutLike, current_time, effective_deadline
 from ..errors import FastdistError
 from ..groups import checks, pgstate
 from . import unwatched
-from .work import Work, backend_options, plain_options
+from .work import NO_TIMEOUT, Work, backend_options, options_cache
 
 _world = dist.distributed_c10d._world
 _ProcessGroup = dist.ProcessGroup
@@ -83,7 +83,7 @@ def run(
     opts = None
     if kind is not None:
         try:
-            opts = plain_options[kind, fields]
+            opts = options_cache[kind, NO_TIMEOUT, fields]
         except (KeyError, TypeError):  # not made yet, or a field that cannot be hashed
             opts = backend_options(kind, math.inf, 0.0, fields)
     _set_next_deadline(deadline)

@@ -216,10 +216,10 @@ class Work(abc.ABC):
 _OPTIONS_STEP_MS = 10
 # About 31 years: a longer per-call timeout overflows in the backend (gloo's milliseconds).
 _BACKEND_TIMEOUT_MAX = 1e9
-_options_cache: dict[tuple[Any, ...], Any] = {}
-# The same options with no per-call timeout, by (kind, fields): a watched group's ops (its backend
-# gives gloo its timeout itself) find theirs with one lookup.
-plain_options: dict[tuple[Any, ...], Any] = {}
+# By (kind, backend timeout in ms or NO_TIMEOUT, fields): a watched group's ops (its backend gives
+# gloo its timeout itself) look theirs up here directly, with NO_TIMEOUT.
+options_cache: dict[tuple[Any, ...], Any] = {}
+NO_TIMEOUT = -1
 
 
 def backend_options(kind: type, deadline: float, now: float, fields: tuple[tuple[str, Any], ...] = ()) -> Any:
@@ -228,12 +228,12 @@ def backend_options(kind: type, deadline: float, now: float, fields: tuple[tuple
     rule, which the watched backend applies itself); for no deadline (``math.inf``), the group's
     own default."""
     if deadline == math.inf or deadline - now > _BACKEND_TIMEOUT_MAX:
-        ms = -1  # beyond what the backend can represent: no backend timeout; the engine keeps the deadline
+        ms = NO_TIMEOUT  # none, or beyond what the backend can represent: the engine keeps the deadline
     else:
         ms = math.ceil(_watched.gloo_budget(deadline - now) * (1000 / _OPTIONS_STEP_MS)) * _OPTIONS_STEP_MS
     key: Any = (kind, ms, fields)
     try:
-        opts = _options_cache.get(key)
+        opts = options_cache.get(key)
     except TypeError:  # an unhashable field (e.g. a premul-sum ReduceOp): no caching
         key, opts = None, None
     if opts is None:
@@ -242,10 +242,8 @@ def backend_options(kind: type, deadline: float, now: float, fields: tuple[tuple
             opts.timeout = datetime.timedelta(milliseconds=ms)
         for name, value in fields:
             setattr(opts, name, value)
-        if key is not None and len(_options_cache) < 1024:
-            _options_cache[key] = opts
-            if ms < 0:
-                plain_options[kind, fields] = opts
+        if key is not None and len(options_cache) < 1024:
+            options_cache[key] = opts
     return opts
 
 
