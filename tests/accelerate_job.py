@@ -57,6 +57,19 @@ def _prepared(dropout: float) -> tuple[Any, Any, Any, Any, Any]:
     return accelerator, *accelerator.prepare(model, opt, loader, sched)
 
 
+def _micro_batch(
+    accelerator: Any, model: Any, opt: Any, sched: Any, xb: torch.Tensor, yb: torch.Tensor
+) -> torch.Tensor:
+    """One micro-batch as a user's loop writes it (Accelerate skips the optimizer's step and
+    zero_grad until the window's last)."""
+    loss = F.mse_loss(model(xb), yb)
+    accelerator.backward(loss)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def train(stall: float) -> dict[str, Any]:
     accelerator, model, opt, loader, sched = _prepared(0.2)
     torch.manual_seed(1 + accelerator.process_index)
@@ -70,12 +83,7 @@ def train(stall: float) -> dict[str, Any]:
                 if stall and not stalled and rank == STALL_RANK and i == STALL_STEP * ACCUM + 1:
                     stalled = True
                     time.sleep(stall)
-                loss = F.mse_loss(model(xb), yb)
-                accelerator.backward(loss)
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-                return loss.detach()
+                return _micro_batch(accelerator, model, opt, sched, xb, yb)
 
             loss = fastdist.accelerate.step(accelerator, one_step, timeout=2)
         losses.append(accelerator.gather(loss).sum().item())  # a collective outside the step
@@ -103,12 +111,8 @@ def train_windows(kill: str | None) -> dict[str, Any]:
                     open(kill, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
                 with accelerator.accumulate(model):
-                    loss = F.mse_loss(model(xb), yb)
-                    accelerator.backward(loss)
-                    opt.step()
-                    sched.step()
-                    opt.zero_grad()
-            return loss.detach()
+                    loss = _micro_batch(accelerator, model, opt, sched, xb, yb)
+            return loss
 
         loss = fastdist.accelerate.step(accelerator, one_window, timeout=2, state=state)
         progress.step += 1
