@@ -221,6 +221,7 @@ def init_process_group(
         logger.info("rank %d joins the running job: call fastdist.sync_state(state) to take its place", rank)
         return
     if job_store is not None:
+        _all_started(job_store, dist.get_world_size(), td)
         job.mark_running(job_store)
     listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
 
@@ -232,6 +233,20 @@ MAX_TIMEOUT = datetime.timedelta(days=3650)
 
 def _group_timedelta(seconds: float) -> datetime.timedelta:
     return MAX_TIMEOUT if seconds >= MAX_TIMEOUT.total_seconds() else datetime.timedelta(seconds=seconds)
+
+
+def _all_started(job_store: Any, world_size: int, td: datetime.timedelta | None) -> None:
+    """Waits until every rank of the first start has made its default group, before the job is
+    marked running (a process that finds that mark is a joiner). gloo's group creation connects
+    every rank, so this costs one store round trip there; NCCL's connects nobody (communicators
+    are made at the first op), so without it a rank that started late would take itself for a
+    replacement."""
+    count = job_store.add(keys.key("started"), 1)
+    everyone = keys.key("started", "all")
+    if count >= world_size:
+        job_store.set(everyone, "1")
+        return
+    job_store.wait([everyone], td if td is not None else datetime.timedelta(seconds=300))
 
 
 def _job_store(store: Any) -> Any | None:
