@@ -1,111 +1,50 @@
-"""A test double for the NCCL code path, registered through torch's public third-party backend
-API (``torch.distributed.Backend.register_backend``). It is a double for fastdist's logic, not a
-claim about NCCL: like ProcessGroupNCCL, its works' futures complete when the op is *issued*,
-and only ``work.is_completed()`` says when it "ran". Each op completes ``DELAY`` seconds after it
-is issued (``math.inf``: never, like a GPU kernel stuck behind a hung peer) unless ``abort()``
-aborts it first. ``ABORT_HANGS`` makes ``abort()`` itself hang, like a stuck ncclCommAbort.
+"""The CPU double of ProcessGroupNCCL (``fastdist._watched.NcclDouble``, csrc/watched/nccl_double.h),
+registered through torch's public third-party backend API. It follows ProcessGroupNCCL's contract
+as torch's own source states it (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, 2.11 and 2.13):
+``WorkNCCL::isSuccess()`` raises; a synchronous op (``async_op=False``) runs on the caller's
+current stream and hands back no work; a work's future completes at enqueue; ``wait()`` only
+orders streams (returns at once); completion only through ``is_completed()`` (the end event's
+query); an aborted communicator's ops read as completed with no error. A group made on it is a
+watched group and takes the C++ path real NCCL takes (WatchedBackend, polled).
 
-With several ranks an op also waits, like a collective, until every rank of the group issued
-the same op as its same-numbered op (counted in the group's store). Only completion is modelled:
-tensors are not exchanged, so values are meaningless there (world size 1: the identity). That
-is enough for fastdist's logic (wait for completion, deadline, abort, dead group, recover,
-reaping, the missing/desynced report); NCCL itself is for tests/gpu on real GPUs.
+The data moves through a gloo backend underneath, asynchronously to the host as on a GPU (after
+``wait()`` returns, the tensor may not hold the result yet): values are real, so DDP and FSDP2
+train on it and their models can be compared with an undisturbed run. ``configure(delay=)``: each
+op counts as run ``delay`` seconds after gloo finished it and the ops before it ran
+(``math.inf``: never, like a kernel behind a peer that never comes), unless the communicator is
+aborted first; ``abort_hangs`` makes ``abort()`` itself hang, like a stuck ncclCommAbort. NCCL
+itself is for tests/gpu on a GPU.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-
 import torch.distributed as dist
-from torch.futures import Future
+from fastdist._native import _watched
 
-NAME = "fake_nccl"
-DELAY = 0.0
-ABORT_HANGS = False
-aborted_groups = []
+NcclDouble = _watched.NcclDouble
+NAME: str = NcclDouble.NAME
 
 
-class FakeWork(dist.Work):
-    def __init__(self, pg: FakeNcclBackend, result, key: str | None = None) -> None:
-        super().__init__()
-        self._pg = pg
-        self._key = key  # the store counter of ranks that issued this op (several ranks)
-        self._all_arrived = key is None
-        self._ready_at = time.monotonic() + DELAY
-        fut = Future()
-        fut.set_result(result)  # like NCCL: done at enqueue time, says nothing about the "GPU"
-        self._fut = fut
-
-    def is_completed(self) -> bool:
-        if self._pg.aborted:
-            return True
-        if not self._all_arrived:
-            self._all_arrived = self._pg.store.add(self._key, 0) >= self._pg.size()
-        return self._all_arrived and time.monotonic() >= self._ready_at
-
-    def is_success(self) -> bool:
-        return self.is_completed() and not self._pg.aborted
-
-    def wait(self, timeout=None) -> bool:
-        if self._pg.aborted:
-            raise RuntimeError("fake NCCL communicator was aborted")
-        return True
-
-    def get_future(self):
-        return self._fut
+def configure(delay: float = 0.0, abort_hangs: bool = False) -> None:
+    """How long each op runs once it can (seconds; ``math.inf``: never), and whether abort hangs."""
+    NcclDouble.configure(delay=delay, abort_hangs=abort_hangs)
 
 
-class FakeNcclBackend(dist.ProcessGroup):
-    def __init__(self, store, rank: int, world_size: int) -> None:
-        super().__init__(rank, world_size)
-        self.store = store
-        self.aborted = False
-        self._seq = 0
+def aborts() -> int:
+    """How many times a communicator of the double was aborted in this process."""
+    return int(NcclDouble.aborts())
 
-    def _work(self, op: str, result) -> FakeWork:
-        if self.size() == 1:
-            return FakeWork(self, result)
-        self._seq += 1
-        key = f"fake_nccl/{self._seq}/{op}"
-        self.store.add(key, 1)
-        return FakeWork(self, result, key)
 
-    def allreduce(self, tensor_list, opts=None):
-        return self._work("allreduce", tensor_list)
-
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        for outs, inp in zip(output_tensors, input_tensors):
-            for out in outs:
-                out.copy_(inp)
-        return self._work("allgather", output_tensors)
-
-    def broadcast(self, tensor_list, opts=None):
-        return self._work("broadcast", tensor_list)
-
-    def barrier(self, opts=None):
-        return self._work("barrier", [])
-
-    def abort(self) -> None:
-        aborted_groups.append(self)
-        if ABORT_HANGS:
-            threading.Event().wait()
-        self.aborted = True
-
-    def shutdown(self) -> None:
-        pass
-
-    def getBackendName(self) -> str:
-        return NAME
+def make(store, rank: int, world_size: int, timeout) -> NcclDouble:
+    """A double over a gloo backend on ``store`` (torch's ProcessGroupGloo as torch.distributed
+    resolves it: a joining rank's stand-in while fastdist makes its groups locally)."""
+    return NcclDouble(dist.distributed_c10d.ProcessGroupGloo(store, rank, world_size, timeout))
 
 
 def _create(store, rank, world_size, timeout):
-    return FakeNcclBackend(store, rank, world_size)
+    return make(store, rank, world_size, timeout)
 
 
 def register() -> None:
-    import fastdist.ops.polled
-
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, devices=["cpu"])
-    fastdist.groups.pgstate.POLLED_BACKENDS.add(NAME)

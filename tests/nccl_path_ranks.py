@@ -1,14 +1,17 @@
-"""The ranks of tests/test_nccl_path.py: the NCCL path's logic on a CPU stand-in (tests/fake_nccl.py)."""
+"""The ranks of tests/test_nccl_path.py: the NCCL path on the CPU double of ProcessGroupNCCL
+(tests/fake_nccl.py): the C++ path real NCCL takes (WatchedBackend, polled completion)."""
 
 from __future__ import annotations
 
 import math
 import time
+from datetime import timedelta
 
 import fastdist
 import torch
 import torch.distributed as dist
 from fastdist import CollectiveTimeoutError, GroupAbortedError
+from fastdist.ops import polled
 from ranks_common import record_error
 
 
@@ -25,39 +28,35 @@ def _poll_until(done, seconds: float) -> bool:
 
 def fake_nccl_logic(ctx) -> None:
     import fake_nccl
-    from fastdist.ops import polled
 
     fake_nccl.register()
     fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1)
     t = torch.ones(1)
     # A blocking call returns when the "device" finished, not when the future did (at once).
-    fake_nccl.DELAY = 0.3
+    fake_nccl.configure(delay=0.3)
     t0 = time.monotonic()
     fastdist.all_reduce(t, timeout=5)
     fastdist.barrier(timeout=5)
     ctx.record("blocking", elapsed=time.monotonic() - t0)
-    # Async: wait() polls the work itself; a handle nobody waits on is released by the reaper.
-    fake_nccl.DELAY = 0.2
-    reaped = polled.reaper.reaped
+    # Async: wait() returns once the op ran; a handle nobody waits on completes all the same
+    # (fastdist's poller queries its end event).
+    fake_nccl.configure(delay=0.2)
     t0 = time.monotonic()  # before the issue: the op takes DELAY from there
     h = fastdist.all_reduce(t, async_op=True, timeout=5)
     first = h.is_completed()
     ok = h.wait()
     elapsed = time.monotonic() - t0
     unwaited = fastdist.all_reduce(t, async_op=True, timeout=5)
-    # The reaper releases it (DELAY after its issue): poll for that, bounded.
-    _poll_until(lambda: polled.reaper.pending() == 0 and unwaited.is_completed(), 3.0)
+    _poll_until(unwaited.is_completed, 3.0)
     ctx.record(
         "async",
         first=first,
         ok=ok,
         elapsed=elapsed,
-        reaped=polled.reaper.reaped - reaped,
-        pending=polled.reaper.pending(),
         unwaited_done=unwaited.is_completed() and unwaited.exception() is None,
     )
     # A hang: the deadline fires, the communicators are aborted, the group is dead.
-    fake_nccl.DELAY = math.inf
+    fake_nccl.configure(delay=math.inf)
     t0 = time.monotonic()
     try:
         fastdist.all_reduce(t, timeout=0.5)
@@ -68,7 +67,7 @@ def fake_nccl_logic(ctx) -> None:
             "timeout",
             elapsed=elapsed,
             aborts_done=polled.wait_aborts(),
-            aborted=len(fake_nccl.aborted_groups),
+            aborted=fake_nccl.aborts(),
             message=str(e),
         )
     try:
@@ -76,26 +75,26 @@ def fake_nccl_logic(ctx) -> None:
     except GroupAbortedError:
         ctx.record("refused")
     new = fastdist.recover(timeout=5)
-    fake_nccl.DELAY = 0.0
+    fake_nccl.configure(delay=0.0)
     t = torch.tensor([3.0])
     fastdist.all_reduce(t, timeout=5)
     ctx.record("recovered", value=t.item(), new_group=new is not None, dead=fastdist.is_dead())
     # An async handle nobody waits on still times out and aborts.
-    fake_nccl.DELAY = math.inf
-    aborted_before = len(fake_nccl.aborted_groups)
+    fake_nccl.configure(delay=math.inf)
+    aborted_before = fake_nccl.aborts()
     h = fastdist.all_reduce(t, async_op=True, timeout=0.3)
-    _poll_until(lambda: h.is_completed() and len(fake_nccl.aborted_groups) > aborted_before, 3.0)
+    _poll_until(lambda: h.is_completed() and fake_nccl.aborts() > aborted_before, 3.0)
     ctx.record(
         "unwaited",
         completed=h.is_completed(),
         error=type(h.exception()).__name__,
         dead=fastdist.is_dead(),
-        aborted=len(fake_nccl.aborted_groups),
+        aborted=fake_nccl.aborts(),
     )
     fastdist.recover(timeout=5)
     # Finally, an abort that hangs: the caller still raises at its deadline, and the abort's own
     # deadline (FASTDIST_ABORT_TIMEOUT=0.5 in this run) ends the process while recover() waits.
-    fake_nccl.ABORT_HANGS = True
+    fake_nccl.configure(delay=math.inf, abort_hangs=True)
     ctx.record("before_hanging_abort")
     t0 = time.monotonic()
     try:
@@ -104,6 +103,155 @@ def fake_nccl_logic(ctx) -> None:
         ctx.record("raised_while_aborting", elapsed=time.monotonic() - t0)
     fastdist.recover(timeout=5)
     ctx.record("survived_hanging_abort")
+
+
+def nccl_double_contract(ctx) -> None:
+    """The double itself follows ProcessGroupNCCL's contract (what the watched backend must cope
+    with), and torch.distributed's own calls on a watched group over it are bounded: a
+    synchronous op, for which the backend hands back no work, included."""
+    import fake_nccl
+
+    fake_nccl.register()
+    raw = fake_nccl.make(dist.HashStore(), 0, 1, timedelta(seconds=30))
+    t = torch.ones(1)
+    fake_nccl.configure(delay=0.3)
+    sync = dist.AllreduceOptions()
+    sync.asyncOp = False
+    work = raw.allreduce([t], dist.AllreduceOptions())
+    try:
+        work.is_success()
+        said = None
+    except NotImplementedError as e:
+        said = str(e).splitlines()[0]
+    t0 = time.monotonic()
+    future_done = work.get_future().done()  # at enqueue
+    waited = work.wait()  # orders streams only: at once
+    ctx.record(
+        "double",
+        sync_work=raw.allreduce([t], sync) is None,
+        is_success=said,
+        future_done_at_enqueue=future_done,
+        completed_at_enqueue=work.is_completed(),
+        wait_returned=waited,
+        wait_seconds=time.monotonic() - t0,
+    )
+    _poll_until(work.is_completed, 3.0)
+    fake_nccl.configure(delay=math.inf)
+    stuck = raw.allreduce([t], dist.AllreduceOptions())
+    raw.abort()
+    # An aborted communicator's op reads as completed, with no error (WorkNCCL after ncclCommAbort).
+    ctx.record("double_aborted", completed=stuck.is_completed(), error=stuck.exception() is None)
+
+    fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1)
+    fake_nccl.configure(delay=0.3)
+    t0 = time.monotonic()
+    dist.all_reduce(t)  # synchronous: no work from the backend; bounded through its stream
+    w = dist.all_reduce(t, async_op=True)
+    fut = w.get_future()
+    fut_early = fut.done()
+    fut.wait()
+    ctx.record("torch_ops", elapsed=time.monotonic() - t0, future_done_at_issue=fut_early)
+    fake_nccl.configure(delay=math.inf)
+    t0 = time.monotonic()
+    try:
+        with fastdist.fail_after(0.5):
+            dist.all_reduce(t)
+        ctx.record("no_timeout")
+    except CollectiveTimeoutError as e:
+        ctx.record("sync_timeout", elapsed=time.monotonic() - t0, message=str(e))
+    fastdist.recover(timeout=5)
+    fake_nccl.configure(delay=0.0)
+    w = dist.all_reduce(t, async_op=True)
+    # The group aborted before recovery: none of the new group's ops is taken for cut short.
+    ctx.record("after_recovery", ok=w.wait(), error=w.exception() is None)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _reference(world_size: int, steps: int) -> list[torch.Tensor]:
+    """The undisturbed run, on one process: each step's gradient is the ranks' gradients
+    averaged (what DDP's and FSDP2's reductions compute), applied by the same optimizer."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        grads = []
+        for rank in range(world_size):
+            model.zero_grad()
+            model(_batch(step, rank)).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = sum(g[i] / world_size for g in grads)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_on_the_double(ctx, kind: str) -> None:
+    """2 ranks on the double, DDP or FSDP2: rank 1 sleeps 4 s before its backward at step 2
+    inside fail_after(1.5). Rank 0's backward waits on the gradients' reduction, which never runs
+    without rank 1: it must raise at its deadline (not go on to opt.step() with gradients that
+    were never reduced), both ranks recover and redo the step with the same model objects, and
+    the final model equals the undisturbed run's."""
+    import fake_nccl
+    from torch import nn
+
+    fake_nccl.register()
+    fastdist.init_process_group(
+        fake_nccl.NAME, store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    if kind == "ddp":
+        model: nn.Module = nn.parallel.DistributedDataParallel(net)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (ctx.world_size,))
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    steps = 5
+    step, slept, applied = 0, False, 0
+    while step < steps:
+        t0 = time.monotonic()
+        try:
+            with fastdist.fail_after(1.5 if step else 30.0):
+                opt.zero_grad()
+                loss = model(_batch(step, ctx.rank)).pow(2).mean()
+                if step == 2 and ctx.rank == 1 and not slept:
+                    slept = True
+                    time.sleep(4.0)
+                loss.backward()
+                opt.step()
+                applied += 1
+            step += 1
+        except fastdist.FastdistError as e:
+            record_error(ctx, "error", e, t0)
+            ctx.record("at_error", step=step, applied=applied)
+            same = fastdist.recover(timeout=30) is dist.group.WORLD
+            ctx.record("recovered", same_group=same)
+    if kind == "ddp":
+        final = [p.detach() for p in model.parameters()]
+    else:
+        final = [p.full_tensor().detach() for p in model.parameters()]
+    ref = _reference(ctx.world_size, steps)
+    diff = max(float((a - b).abs().max()) for a, b in zip(final, ref))
+    ctx.record("done", steps=step, applied=applied, diff=diff)
+
+
+def nccl_double_ddp(ctx) -> None:
+    _train_on_the_double(ctx, "ddp")
+
+
+def nccl_double_fsdp2(ctx) -> None:
+    _train_on_the_double(ctx, "fsdp2")
 
 
 def fake_nccl_report(ctx) -> None:

@@ -106,6 +106,14 @@ template <typename Opts, typename Issue>
 c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue,
                                                    c10::ArrayRef<at::Tensor> ins) {
   refuse_if_dead(op);
+  if (ctl_->polled && capturing(ins)) {
+    // A CUDA graph captures the op: it runs when the graph is replayed, which no backend sees,
+    // and an event recorded in a capture cannot be queried. Issued as on plain NCCL, unwatched.
+    Nanos unused;
+    take_next_deadline(unused);
+    Opts o = opts;
+    return issue(*this->inner(), o);
+  }
   const bool from_fastdist = has_next_deadline();  // fastdist's own functions checked the call already
   Nanos now = steady_now();
   Nanos deadline = deadline_for(now);
@@ -146,6 +154,10 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
   c10::intrusive_ptr<c10d::Work> work;
   try {
     work = issue(*inner, o);
+    // ProcessGroupNCCL hands back no work for a synchronous op (it ran on the caller's current
+    // stream) nor for an empty or synchronous coalesced batch: the op is watched through an
+    // event recorded on that stream now, so that it is bounded all the same.
+    if (!work) work = stream_marker(*inner, ins);
   } catch (...) {
     ctl_->rollback(seq);  // refused by the backend (bad arguments): nothing was sent
     throw;
@@ -286,9 +298,23 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::recv(std::vector<at::Tensor>& ten
 c10::intrusive_ptr<c10d::Work> WatchedBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   return run_plain("recv", c10d::OpType::RECVANYSOURCE, [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); }, tensors);
 }
+namespace {
+// Asks for an asynchronous op, where the options have the field (torch 2.7 and newer).
+template <typename Opts>
+auto make_async(Opts& o, int) -> decltype(void(o.asyncOp = true)) {
+  o.asyncOp = true;
+}
+template <typename Opts>
+void make_async(Opts&, long) {}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> WatchedBackend::barrier(const c10d::BarrierOptions& opts) {
-  return run("barrier", c10d::OpType::BARRIER, opts,
-             [&](c10d::Backend& b, c10d::BarrierOptions& o) { return b.barrier(o); });
+  return run("barrier", c10d::OpType::BARRIER, opts, [&](c10d::Backend& b, c10d::BarrierOptions& o) {
+    // ProcessGroupNCCL's synchronous barrier blocks the host on the stream inside the call, where
+    // no deadline is armed yet: issued asynchronously, its work is waited on (bounded) instead.
+    if (ctl_->polled) make_async(o, 0);
+    return b.barrier(o);
+  });
 }
 void WatchedBackend::waitForPendingWorks() { inner()->waitForPendingWorks(); }
 void WatchedBackend::setGroupUid(const std::string& pg_uid) {
@@ -300,7 +326,13 @@ void WatchedBackend::setGroupUid(const std::string& pg_uid) {
 #endif
 }
 void WatchedBackend::eagerConnectSingleDevice(at::Device device) { inner()->eagerConnectSingleDevice(device); }
-void WatchedBackend::abort() { inner()->abort(); }
+void WatchedBackend::abort() {
+  // An aborted NCCL communicator's ops read as completed with no error (WorkNCCL::isCompleted
+  // skips its error check once the communicator is aborted): the group says so first, so that
+  // no op in flight is taken for a success.
+  ctl_->set_aborted();
+  inner()->abort();
+}
 void WatchedBackend::shutdown() { inner()->shutdown(); }
 
 

@@ -162,6 +162,7 @@ void GroupCtl::revive() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     dead_ = false;
+    aborted_.store(false);
     settled_ = false;
     dead_reason_.clear();
     // Every member starts the new generation at op 1, in step again.

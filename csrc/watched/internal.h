@@ -39,6 +39,15 @@ std::exception_ptr check_signals();
 // work.cpp: ops abandoned at their deadline, still in flight in the backend.
 std::atomic<std::int64_t>& abandoned();
 
+// marker.cpp: where an NCCL-like backend hands back no work for an op (a synchronous one runs on
+// the caller's current stream), a work that completes once that stream ran it: an event recorded
+// there now (the CPU double: its own stand-in for one).
+c10::intrusive_ptr<c10d::Work> stream_marker(c10d::Backend& inner, c10::ArrayRef<at::Tensor> ins);
+// Whether the current stream of the first CUDA tensor in `ins` is capturing a CUDA graph.
+bool capturing(c10::ArrayRef<at::Tensor> ins);
+// Sets the calling thread's CUDA graph capture mode to relaxed (where a CUDA runtime is loaded).
+void relax_capture_mode();
+
 // backend.cpp: every watched backend still alive.
 std::vector<c10::intrusive_ptr<WatchedBackend>> live_backends();
 

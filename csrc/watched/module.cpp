@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "internal.h"
+#include "nccl_double.h"
 #include "solo.h"
 #include "watched.h"
 
@@ -127,6 +128,25 @@ PYBIND11_MODULE(_watched, m) {
            }),
            py::arg("rank"), py::arg("size"), py::arg("name"))
       .def("_set_sequence_number_for_group", [](SoloBackend&) {});
+
+  // The CPU double of ProcessGroupNCCL (nccl_double.h), for fastdist's tests: registered with
+  // torch.distributed.Backend.register_backend by tests/fake_nccl.py.
+  py::class_<NcclDouble, c10d::Backend, c10::intrusive_ptr<NcclDouble>> nccl_double(m, "NcclDouble", py::dynamic_attr());
+  nccl_double.attr("NAME") = NcclDouble::kName;
+  nccl_double
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& transport) {
+             return c10::make_intrusive<NcclDouble>(transport);
+           }),
+           py::arg("transport"))
+      .def_static(
+          "configure",
+          [](double delay, bool abort_hangs) {
+            if (std::isnan(delay) || delay < 0) throw py::value_error("delay must be >= 0 (inf: never)");
+            NcclDouble::delay().store(delay);
+            NcclDouble::abort_hangs().store(abort_hangs);
+          },
+          py::arg("delay") = 0.0, py::arg("abort_hangs") = false)
+      .def_static("aborts", [] { return NcclDouble::aborts().load(); });
 
   // One group's op numbers, history and dead state (watched.h): a watched backend's `ctl`, or
   // an unwatched group's, made here.

@@ -27,7 +27,12 @@ struct Poller {
   }
 
   void loop() {
-    auto interval = std::chrono::microseconds(1000);
+    relax_capture_mode();  // its event queries must not break a graph another thread captures
+    // 20 us after a work finished or came, backing off to 500 us: a host that waits on a future
+    // (DDP's backward) goes on within that of the op's end on the device.
+    constexpr auto kMin = std::chrono::microseconds(20);
+    constexpr auto kMax = std::chrono::microseconds(500);
+    auto interval = kMin;
     for (;;) {
       std::vector<c10::intrusive_ptr<WatchedWork>> batch;
       {
@@ -49,7 +54,7 @@ struct Poller {
         std::lock_guard<std::mutex> lk(mu);
         works.insert(works.end(), std::make_move_iterator(left.begin()), std::make_move_iterator(left.end()));
       }
-      interval = progress ? std::chrono::microseconds(1000) : std::min(interval * 2, std::chrono::microseconds(10000));
+      interval = progress ? kMin : std::min(interval * 2, kMax);
       if (!left.empty()) std::this_thread::sleep_for(interval);
     }
   }

@@ -208,6 +208,10 @@ class GroupCtl {
   std::string settled_reason();
   // After recovery: alive again, with a fresh fault slot and no ops in flight.
   void revive();
+  // The backend's communicators are being aborted (WatchedBackend::abort): an op that reads as
+  // completed from now on was cut short, not run. Cleared by revive().
+  void set_aborted() { aborted_.store(true); }
+  bool aborted() const { return aborted_.load(); }
 
   // The fault of this generation: the first caller builds the error (with `info`), everyone gets
   // the same exception; every op still in flight fails with it.
@@ -239,6 +243,7 @@ class GroupCtl {
   static constexpr std::size_t kRing = 64;
   OpRecord ring_[kRing] = {};
   bool dead_ = false;
+  std::atomic<bool> aborted_{false};
   bool settled_ = false;  // dead_reason_ is Python's
   std::string dead_reason_;
   int fault_state_ = 0;  // 0 none, 1 being built, 2 delivered

@@ -28,11 +28,11 @@ WatchedWork::WatchedWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<G
   try {
     inner_fut_ = inner_->getFuture();
   } catch (const std::exception&) {
-    inner_fut_.reset();  // gloo send/recv: "getFuture not implemented"
+    inner_fut_.reset();  // gloo send/recv, a stream marker: "getFuture not implemented"
   }
   // Our future is made when asked for (DDP's reducer, Python's get_future()), not for a plain
-  // wait(): most ops never need one. The polled path mirrors the inner one from the start.
-  if (ctl_->polled || !inner_fut_) fut_ = make_future();
+  // wait(): most ops never need one. A posted op's (no inner future) is made now.
+  if (!inner_fut_ && !ctl_->polled) fut_ = make_future();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WatchedWork::make_future() const {
@@ -80,25 +80,16 @@ void WatchedWork::arm() {
   token_ = ctl_->engine->add(deadline_, [weak]() mutable {
     if (auto w = weak.lock()) w->expired();
   });
-  if (ctl_->polled && inner_fut_) {
-    // The future says when the op was enqueued: mirror it for torch's consumers (they order
-    // their streams on it); completion on the device is polled. (A posted op without a future,
-    // gloo's send/recv under FASTDIST_TEST_POLLED, ends only in its wait: below.)
-    {
-      auto fut = fut_;
-      inner_fut_->addCallback([fut, weak](c10::ivalue::Future& f) mutable {
-        if (fut->completed()) return;
-        if (f.hasError()) {
-          // The op failed (a peer died, say): the group's fault, built once, is what its
-          // consumers get (DDP's backward waits on this future), not the backend's raw error.
-          if (auto w = weak.lock()) {
-            w->inner_done(f.exception_ptr());
-          } else {
-            fut->setErrorIfNeeded(f.exception_ptr());
-          }
-        } else {
-          fut->markCompleted(f.value(), f.storages());
-        }
+  if (ctl_->polled) {
+    // NCCL: the inner future completes when the op is enqueued (WorkNCCL::getFuture), so it says
+    // nothing about the op having run; only the end event does (isCompleted(), polled here and
+    // by a waiter). Our future completes then, so that torch's consumers (DDP's backward waits
+    // on it) go on only once the op ran, and raise the group's fault when it did not. The inner
+    // future is heard only for an error at enqueue.
+    if (inner_fut_) {
+      inner_fut_->addCallback([weak](c10::ivalue::Future& f) mutable {
+        if (!f.hasError()) return;
+        if (auto w = weak.lock()) w->inner_done(f.exception_ptr());
       });
     }
     poll_register(self);
@@ -178,8 +169,7 @@ void WatchedWork::finish_and_unlock(std::exception_ptr error, std::unique_lock<s
   wcv_.notify_all();
   if (token) token->complete();
   ctl_->untrack(this);
-  // (Polled: a success was mirrored from the inner future in arm().)
-  if (fut && (error || !ctl_->polled || !inner_fut_)) complete_future(fut, error);
+  if (fut) complete_future(fut, error);
 }
 
 void WatchedWork::fail(std::exception_ptr error) {
@@ -254,8 +244,14 @@ bool WatchedWork::poll_inner() {
   bool completed = false;
   std::exception_ptr err;
   try {
+    // WorkNCCL: isCompleted() queries the end event (and stores an NCCL error it finds, then says
+    // true); isSuccess() throws there, so the error is read from exception().
     completed = inner->isCompleted();
-    if (completed && !inner->isSuccess()) err = inner->exception();
+    if (completed) err = inner->exception();
+    if (completed && !err && ctl_->aborted()) {
+      // Cut short by an abort: an aborted communicator's ops read as completed, with no error.
+      err = plain_error(std::string(op_) + " #" + std::to_string(seq_) + " was cut short: the group's communicators were aborted");
+    }
   } catch (...) {
     completed = true;
     err = std::current_exception();

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 # Backend names (as dist.get_backend() gives them) whose works complete their future at enqueue,
 # so that completion must be polled (fastdist.ops.polled): NCCL.
-POLLED_BACKENDS = {"nccl"}
+POLLED_BACKENDS = {"nccl", _watched.NcclDouble.NAME}
 
 
 def backend_name(pg: Any) -> str:

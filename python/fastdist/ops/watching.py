@@ -56,7 +56,8 @@ _orig_register_backend = ProcessGroup._register_backend
 
 
 def _register_backend(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
-    if _active and not isinstance(backend, WatchedBackend) and backend_type in _WATCHED_TYPES:
+    watched_type = backend_type in _WATCHED_TYPES or isinstance(backend, _watched.NcclDouble)
+    if _active and not isinstance(backend, WatchedBackend) and watched_type:
         backend = _wrap(pg, device, backend_type, backend)
         if backend_type == ProcessGroup.BackendType.GLOO:
             # torch's C++ casts the backend registered as GLOO to ProcessGroupGloo (DDP's logger
@@ -87,9 +88,10 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
         options = getattr(backend, "options", None)
         group_timeout = getattr(options, "timeout", None) or getattr(options, "_timeout", None)
         timeout = group_timeout.total_seconds() if group_timeout is not None else _user_timeout
-    # NCCL completes a work's future at enqueue: its works are polled (work.is_completed()).
-    # FASTDIST_TEST_POLLED=1 watches gloo groups the same way: the NCCL path's logic, testable on
-    # a CPU (gloo's completion query is exact, so it stands in for a GPU's).
+    # NCCL completes a work's future at enqueue: its works are polled (work.is_completed(), the
+    # end event's query), and so are those of its CPU double (fastdist._watched.NcclDouble, which
+    # follows ProcessGroupNCCL's contract: tests/fake_nccl.py). FASTDIST_TEST_POLLED=1 watches
+    # gloo groups the same way.
     is_polled = backend_type != ProcessGroup.BackendType.GLOO or os.environ.get("FASTDIST_TEST_POLLED") == "1"
     wrapper = WatchedBackend(backend, "", float(timeout), is_polled)
     per_pg[id(backend)] = wrapper

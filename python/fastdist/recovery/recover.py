@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._native import _watched
 from ..deadlines import (
     TimeoutLike,
     current_time,
@@ -731,6 +732,8 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: pgstate.GroupState)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = td
             fresh = dist.ProcessGroupNCCL(store, old.rank(), old.size(), opts)
+        elif name == _watched.NcclDouble.NAME:  # the CPU double of NCCL (tests), over gloo
+            fresh = _watched.NcclDouble(dist.ProcessGroupGloo(store, old.rank(), old.size(), td))
         else:
             raise RecoveryError(
                 group=st.name,

@@ -1,0 +1,95 @@
+// What the watched backend goes by on an NCCL-like group where torch's backend hands back no
+// work: ProcessGroupNCCL runs a synchronous op (asyncOp false) on the caller's current stream and
+// returns a null work (`return asyncOp ? work : nullptr;` in its collective()), so fastdist
+// records an event of its own on that stream right after the call, and the op has run when the
+// event has. Also: whether the current stream is capturing a CUDA graph (nothing is watched
+// then), and the capture mode of fastdist's polling thread.
+#include "internal.h"
+#include "nccl_double.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <dlfcn.h>
+
+namespace fastdist::watched {
+
+namespace {
+
+// An event on a device's current stream: complete once everything issued on that stream before
+// it ran. isCompleted() is the event's query, which never blocks; it has no future.
+class EventMarker : public c10d::Work {
+ public:
+  EventMarker(int rank, c10::Device device, std::vector<at::Tensor> tensors)
+      : c10d::Work(rank), event_(device.type()), tensors_(std::move(tensors)) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    event_.record(impl.getStream(device));
+  }
+  bool isCompleted() override { return event_.query(); }
+  bool isSuccess() const override { return true; }
+  std::exception_ptr exception() const override { return nullptr; }
+  std::vector<at::Tensor> result() override { return tensors_; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+
+ private:
+  c10::Event event_;
+  std::vector<at::Tensor> tensors_;
+};
+
+c10::Device device_of(c10::ArrayRef<at::Tensor> ins) {
+  for (const auto& t : ins) {
+    if (t.defined() && !t.is_cpu()) return t.device();
+  }
+  // A barrier, or an op with no input: the device CUDA uses on this thread.
+  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  return impl.getDevice();
+}
+
+// torch 2.13 asks the device's guard whether a stream captures (isStreamCapturing); an older
+// one has no such question, and a capture goes unseen there (see capturing()).
+template <typename Impl>
+auto stream_capturing(const Impl& impl, const c10::Stream& s, int) -> decltype(impl.isStreamCapturing(s)) {
+  return impl.isStreamCapturing(s);
+}
+template <typename Impl>
+bool stream_capturing(const Impl&, const c10::Stream&, long) {
+  return false;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> stream_marker(c10d::Backend& inner, c10::ArrayRef<at::Tensor> ins) {
+  if (auto* d = dynamic_cast<NcclDouble*>(&inner)) return d->current_stream_marker();
+  return c10::make_intrusive<EventMarker>(inner.getRank(), device_of(ins), ins.vec());
+}
+
+bool capturing(c10::ArrayRef<at::Tensor> ins) {
+  for (const auto& t : ins) {
+    if (!t.defined() || !t.is_cuda()) continue;
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    return stream_capturing(*impl, impl->getStream(t.device()), 0);
+  }
+  return false;
+}
+
+void relax_capture_mode() {
+  // cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureModeRelaxed) for this thread, as torch's
+  // NCCL watchdog does for its own: an event query from any thread while another captures a graph
+  // in the default (global) mode would fail and invalidate that capture. Looked up at run time:
+  // fastdist links no CUDA library (nothing to do where none is loaded).
+  using Fn = int (*)(int*);
+  static Fn fn = [] {
+    void* sym = dlsym(RTLD_DEFAULT, "cudaThreadExchangeStreamCaptureMode");
+    for (const char* lib : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+      if (sym) break;
+      if (void* h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD)) sym = dlsym(h, "cudaThreadExchangeStreamCaptureMode");
+    }
+    return reinterpret_cast<Fn>(sym);
+  }();
+  if (fn) {
+    int mode = 2;  // cudaStreamCaptureModeRelaxed
+    fn(&mode);
+  }
+}
+
+}  // namespace fastdist::watched

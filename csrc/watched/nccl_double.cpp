@@ -1,0 +1,335 @@
+// The CPU double of ProcessGroupNCCL: see nccl_double.h for the contract it follows.
+#include "nccl_double.h"
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <thread>
+
+namespace fastdist::watched {
+
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Whether a torch.distributed call asked for an asynchronous op (its options' asyncOp, which
+// the dispatcher passes since torch 2.7; an options struct without the field: asynchronous).
+template <typename Opts>
+auto async_of(const Opts& o, int) -> decltype(static_cast<bool>(o.asyncOp)) {
+  return o.asyncOp;
+}
+template <typename Opts>
+bool async_of(const Opts&, long) {
+  return true;
+}
+
+[[noreturn]] void is_success_throws() {
+  // torch's words (ProcessGroupNCCL.cpp, WorkNCCL::isSuccess).
+  C10_THROW_ERROR(NotImplementedError, "WorkNCCL::isSuccess() is deprecated");
+}
+
+// How one gloo op ended, learnt without blocking anyone: from its future's callback, or, for a
+// point-to-point op (gloo gives it no future), on a thread of its own that waits for it.
+struct Moved {
+  std::atomic<bool> done{false};
+  std::mutex mu;
+  std::exception_ptr error;
+
+  void finish(std::exception_ptr e) {
+    if (e) {
+      std::lock_guard<std::mutex> lk(mu);
+      error = e;
+    }
+    done.store(true);
+  }
+};
+
+std::shared_ptr<Moved> track(const c10::intrusive_ptr<c10d::Work>& work) {
+  auto moved = std::make_shared<Moved>();
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  try {
+    fut = work->getFuture();
+  } catch (const std::exception&) {
+    fut.reset();
+  }
+  if (fut) {
+    fut->addCallback([moved](c10::ivalue::Future& f) { moved->finish(f.hasError() ? f.exception_ptr() : nullptr); });
+  } else {
+    std::thread([moved, work]() {
+      std::exception_ptr e;
+      try {
+        work->wait();
+      } catch (...) {
+        e = std::current_exception();
+      }
+      moved->finish(e);
+    }).detach();
+  }
+  return moved;
+}
+
+}  // namespace
+
+// What the works of one communicator share: the data's transport, the stream's tail, and
+// whether the communicator was aborted.
+struct DoubleComm {
+  c10::intrusive_ptr<c10d::Backend> transport;
+  int rank = 0;
+  std::atomic<bool> aborted{false};
+  std::mutex mu;
+  c10::intrusive_ptr<c10d::Work> tail;  // the last op queued on the stream
+  bool coalescing = false;
+  std::vector<std::shared_ptr<Moved>> batch;
+  std::vector<at::Tensor> batch_tensors;
+};
+
+namespace {
+
+class DoubleWork : public c10d::Work {
+ public:
+  DoubleWork(std::shared_ptr<DoubleComm> comm, c10d::OpType type, std::vector<std::shared_ptr<Moved>> moved,
+             std::vector<at::Tensor> result, c10::intrusive_ptr<c10d::Work> prev)
+      : c10d::Work(comm->rank, type), comm_(std::move(comm)), moved_(std::move(moved)), result_(std::move(result)),
+        prev_(std::move(prev)) {
+    // Like WorkNCCL's: completed when the op is enqueued, with its output tensors.
+    fut_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    fut_->markCompleted(c10::IValue(result_));
+  }
+
+  // The end event's query (WorkNCCL::isCompleted): never blocks.
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (done_) return true;
+    // Once the communicator is aborted its kernels exit, and WorkNCCL::isCompleted() skips its
+    // error check (`if (!ncclComm_->isAborted()) checkAndSetException();`): the op reads as
+    // completed, with no error.
+    if (comm_->aborted.load()) return done_ = true;
+    if (prev_) {
+      if (!prev_->isCompleted()) return false;
+      prev_.reset();  // ran: nothing to keep alive
+    }
+    for (const auto& m : moved_) {
+      if (!m->done.load()) return false;
+    }
+    for (const auto& m : moved_) {
+      std::lock_guard<std::mutex> mlk(m->mu);
+      if (m->error) {
+        error_ = m->error;  // an NCCL async error (a peer that died): completed, with the error
+        return done_ = true;
+      }
+    }
+    if (ready_at_ < 0) {
+      const double d = NcclDouble::delay().load();
+      ready_at_ = std::isfinite(d) ? now_seconds() + d : std::numeric_limits<double>::infinity();
+    }
+    if (now_seconds() < ready_at_) return false;
+    return done_ = true;
+  }
+
+  bool isSuccess() const override { is_success_throws(); }
+
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return error_;
+  }
+
+  std::vector<at::Tensor> result() override { return result_; }
+
+  // WorkNCCL::wait without blocking wait: the current stream waits for the end event; the host
+  // goes on at once. An error the work already has is thrown.
+  bool wait(std::chrono::milliseconds) override {
+    if (auto e = exception()) std::rethrow_exception(e);
+    return true;
+  }
+  void synchronize() override {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
+
+ private:
+  std::shared_ptr<DoubleComm> comm_;
+  const std::vector<std::shared_ptr<Moved>> moved_;
+  const std::vector<at::Tensor> result_;
+  c10::intrusive_ptr<c10d::Work> prev_;
+  c10::intrusive_ptr<c10::ivalue::Future> fut_;
+  mutable std::mutex mu_;
+  bool done_ = false;
+  double ready_at_ = -1;
+  std::exception_ptr error_;
+};
+
+// A synchronous op's caller has only the stream to go by: this stands for an event recorded on
+// it after the op, complete once the stream's tail ran. Like a CUDA event, it has no future.
+class StreamMarker : public c10d::Work {
+ public:
+  StreamMarker(int rank, c10::intrusive_ptr<c10d::Work> tail) : c10d::Work(rank), tail_(std::move(tail)) {}
+  bool isCompleted() override { return !tail_ || tail_->isCompleted(); }
+  bool isSuccess() const override { is_success_throws(); }
+  std::exception_ptr exception() const override { return tail_ ? tail_->exception() : nullptr; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> tail_;
+};
+
+}  // namespace
+
+std::atomic<double>& NcclDouble::delay() {
+  static std::atomic<double> d{0.0};
+  return d;
+}
+std::atomic<bool>& NcclDouble::abort_hangs() {
+  static std::atomic<bool> h{false};
+  return h;
+}
+std::atomic<int>& NcclDouble::aborts() {
+  static std::atomic<int> n{0};
+  return n;
+}
+
+NcclDouble::NcclDouble(c10::intrusive_ptr<c10d::Backend> transport)
+    : c10d::Backend(transport->getRank(), transport->getSize()), comm_(std::make_shared<DoubleComm>()) {
+  comm_->transport = std::move(transport);
+  comm_->rank = rank_;
+}
+
+NcclDouble::~NcclDouble() {
+  // gloo's destructor joins its worker threads, which may still wait in an op of an aborted
+  // communicator for a peer that never comes: that op's transport is kept, never destroyed.
+  if (comm_->aborted.load()) new c10::intrusive_ptr<c10d::Backend>(std::move(comm_->transport));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclDouble::enqueue(c10d::OpType type, c10::intrusive_ptr<c10d::Work> moved,
+                                                   std::vector<at::Tensor> result, bool async_op) {
+  auto m = track(moved);
+  std::lock_guard<std::mutex> lk(comm_->mu);
+  if (comm_->coalescing) {
+    comm_->batch.push_back(std::move(m));
+    comm_->batch_tensors.insert(comm_->batch_tensors.end(), result.begin(), result.end());
+    return {};
+  }
+  auto work = c10::make_intrusive<DoubleWork>(comm_, type, std::vector<std::shared_ptr<Moved>>{std::move(m)},
+                                              std::move(result), comm_->tail);
+  comm_->tail = work;
+  if (!async_op) return {};  // ran on the current stream: no work (ProcessGroupNCCL, asyncOp false)
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> NcclDouble::current_stream_marker() {
+  std::lock_guard<std::mutex> lk(comm_->mu);
+  return c10::make_intrusive<StreamMarker>(rank_, comm_->tail);
+}
+
+void NcclDouble::startCoalescing() {
+  std::lock_guard<std::mutex> lk(comm_->mu);
+  comm_->coalescing = true;
+  comm_->batch.clear();
+  comm_->batch_tensors.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> NcclDouble::endCoalescing() {
+  std::lock_guard<std::mutex> lk(comm_->mu);
+  comm_->coalescing = false;
+  if (comm_->batch.empty()) return {};  // nothing was issued: no work (as ProcessGroupNCCL)
+  auto work = c10::make_intrusive<DoubleWork>(comm_, c10d::OpType::COALESCED, std::move(comm_->batch),
+                                              std::move(comm_->batch_tensors), comm_->tail);
+  comm_->batch.clear();
+  comm_->batch_tensors.clear();
+  comm_->tail = work;
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> NcclDouble::broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) {
+  return enqueue(c10d::OpType::BROADCAST, comm_->transport->broadcast(t, o), t, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) {
+  return enqueue(c10d::OpType::ALLREDUCE, comm_->transport->allreduce(t, o), t, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::allreduce_coalesced(std::vector<at::Tensor>& t,
+                                                               const c10d::AllreduceCoalescedOptions& o) {
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, comm_->transport->allreduce_coalesced(t, o), t, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) {
+  return enqueue(c10d::OpType::REDUCE, comm_->transport->reduce(t, o), t, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& o) {
+  std::vector<at::Tensor> out;
+  for (auto& slots : outputs) out.insert(out.end(), slots.begin(), slots.end());
+  return enqueue(c10d::OpType::ALLGATHER, comm_->transport->allgather(outputs, inputs, o), std::move(out),
+                 async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                           const c10d::AllgatherOptions& o) {
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, comm_->transport->_allgather_base(output, input, o), {output},
+                 async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                           std::vector<at::Tensor>& inputs,
+                                                                           const c10d::AllgatherOptions& o) {
+  return enqueue(c10d::OpType::COALESCED, comm_->transport->allgather_into_tensor_coalesced(outputs, inputs, o),
+                 outputs, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                  std::vector<at::Tensor>& inputs, const c10d::GatherOptions& o) {
+  std::vector<at::Tensor> out;
+  for (auto& slots : outputs) out.insert(out.end(), slots.begin(), slots.end());
+  return enqueue(c10d::OpType::GATHER, comm_->transport->gather(outputs, inputs, o), std::move(out), async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::scatter(std::vector<at::Tensor>& outputs,
+                                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                                   const c10d::ScatterOptions& o) {
+  return enqueue(c10d::OpType::SCATTER, comm_->transport->scatter(outputs, inputs, o), outputs, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                                          const c10d::ReduceScatterOptions& o) {
+  return enqueue(c10d::OpType::REDUCE_SCATTER, comm_->transport->reduce_scatter(outputs, inputs, o), outputs,
+                 async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                const c10d::ReduceScatterOptions& o) {
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, comm_->transport->_reduce_scatter_base(output, input, o),
+                 {output}, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                           std::vector<at::Tensor>& inputs,
+                                                                           const c10d::ReduceScatterOptions& o) {
+  return enqueue(c10d::OpType::COALESCED, comm_->transport->reduce_scatter_tensor_coalesced(outputs, inputs, o),
+                 outputs, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                         std::vector<int64_t>& out_splits,
+                                                         std::vector<int64_t>& in_splits,
+                                                         const c10d::AllToAllOptions& o) {
+  return enqueue(c10d::OpType::ALLTOALL_BASE,
+                 comm_->transport->alltoall_base(output, input, out_splits, in_splits, o), {output}, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::barrier(const c10d::BarrierOptions& o) {
+  // ProcessGroupNCCL's barrier: a synchronous one blocks the host on the stream itself and hands
+  // back no work; an asynchronous one's work blocks the host in its wait().
+  auto work = enqueue(c10d::OpType::BARRIER, comm_->transport->barrier(o), {}, true);
+  if (async_of(o, 0)) return work;
+  while (!work->isCompleted()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  return {};
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::send(std::vector<at::Tensor>& t, int dst, int tag) {
+  // Point-to-point: asyncOp is not read (ProcessGroupNCCL::pointToPoint): a work always comes back.
+  return enqueue(c10d::OpType::SEND, comm_->transport->send(t, dst, tag), t, true);
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::recv(std::vector<at::Tensor>& t, int src, int tag) {
+  return enqueue(c10d::OpType::RECV, comm_->transport->recv(t, src, tag), t, true);
+}
+
+void NcclDouble::abort() {
+  aborts().fetch_add(1);
+  while (abort_hangs().load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  comm_->aborted.store(true);
+}
+
+}  // namespace fastdist::watched

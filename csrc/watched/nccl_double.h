@@ -1,0 +1,107 @@
+// A CPU double of torch's ProcessGroupNCCL, for fastdist's tests: it follows the contract that
+// torch's own source states (torch/csrc/distributed/c10d/ProcessGroupNCCL.{hpp,cpp}, 2.11 and
+// 2.13), so that the watched backend meets on a CPU what it meets on a GPU, on the same C++ path
+// (WatchedBackend with polled completion, csrc/watched/backend.cpp and work.cpp). The data moves
+// through a gloo backend underneath (values are real: DDP and FSDP2 train, a replacement receives
+// its state), and, as on a GPU, asynchronously to the host:
+//
+// - WorkNCCL::isSuccess() throws ("WorkNCCL::isSuccess() is deprecated"): completion and errors
+//   are told only by isCompleted() and exception();
+// - isCompleted() stands for the query of the op's end event: it never blocks, and says true once
+//   the op ran (gloo finished it, the ops before it on the stream ran, and DELAY passed); an error
+//   gloo met (a peer that died) is then in exception(), as an NCCL async error is;
+// - a work's future completes when the op is enqueued, not when it ran;
+// - wait() only makes the current stream wait: it returns at once, before the data is there
+//   (it throws only an error the work already has);
+// - a synchronous op (the options' asyncOp false, as torch.distributed passes for async_op=False)
+//   runs on the caller's current stream and hands back no work at all (a null intrusive_ptr:
+//   `return asyncOp ? work : nullptr;` in ProcessGroupNCCL::collective); a caller learns when it
+//   ran only from the stream (current_stream_marker(): the double's CUDA event);
+// - after abort() (ncclCommAbort) every op reads as completed with no error (WorkNCCL skips its
+//   error check once the communicator is aborted); with abort_hangs, abort() never returns, like
+//   an ncclCommAbort stuck behind a kernel.
+//
+// One stream per communicator: an op counts as run only once the ops issued before it did.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fastdist::watched {
+
+struct DoubleComm;
+
+class NcclDouble : public c10d::Backend {
+ public:
+  static constexpr const char* kName = "nccl_double";
+
+  // Process-wide knobs of the double (tests set them from Python): how long an op runs after
+  // gloo finished it (seconds; infinity: never, like a kernel behind a peer that never comes),
+  // and whether abort() hangs.
+  static std::atomic<double>& delay();
+  static std::atomic<bool>& abort_hangs();
+  static std::atomic<int>& aborts();  // abort() calls so far
+
+  // `transport`: the gloo backend (of the same rank and size) that moves the data.
+  explicit NcclDouble(c10::intrusive_ptr<c10d::Backend> transport);
+  ~NcclDouble() override;
+
+  const std::string getBackendName() const override { return kName; }
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return 0; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  void abort() override;
+  void shutdown() override {}
+
+  // The double's CUDA event on the caller's current stream: a work that completes once every op
+  // issued so far on this communicator ran (what a synchronous op's caller has to go by).
+  c10::intrusive_ptr<c10d::Work> current_stream_marker();
+
+ private:
+  // Queues an op that gloo runs as `moved` on the stream; its work, or none for a synchronous
+  // op (or inside a coalesced batch, whose endCoalescing() hands back the batch's one work).
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, c10::intrusive_ptr<c10d::Work> moved,
+                                         std::vector<at::Tensor> result, bool async_op);
+
+  std::shared_ptr<DoubleComm> comm_;
+};
+
+}  // namespace fastdist::watched
