@@ -85,16 +85,18 @@ def test_dead_worker_is_replaced_and_the_model_equals_an_undisturbed_run(
     assert compare(str(reference), str(tmp_path / "killed"), 3) <= 1e-6
 
 
-def test_the_nccl_logic_replaces_a_dead_worker_too(reference: Path, tmp_path: Path) -> None:
-    """The NCCL path's logic (polled completion) on its CPU stand-in, FASTDIST_TEST_POLLED=1: the
-    death reaches DDP's backward as fastdist's typed error (it escaped as gloo's raw
-    RuntimeError), and the hand-over's sends end (they were polled, and gloo's never end so)."""
+def test_the_nccl_path_replaces_a_dead_worker_too(reference: Path, tmp_path: Path) -> None:
+    """The same script on the CPU double of ProcessGroupNCCL (tests/nccl_double_train.py: the C++
+    path real NCCL takes, polled completion, futures at enqueue): the death reaches DDP's backward
+    as fastdist's typed error, the replacement joins through the double, and the model equals the
+    undisturbed (gloo) run's."""
+    out = tmp_path / "killed"
     rc, log = _launch(
-        tmp_path / "killed",
+        out,
         "--nproc-per-node",
         "3",
+        target=(str(ROOT / "tests" / "nccl_double_train.py"), "--steps", str(STEPS), "--out", str(out)),
         script=("--kill-rank", "1", "--kill-step", "5"),
-        env={"FASTDIST_TEST_POLLED": "1"},
     )
     assert rc == 0, log
     assert "rank 1: joined the running job at step 5" in log, log

@@ -9,7 +9,8 @@ each rank's final parameters and optimizer state (``rank{R}.pt``) for comparing 
 ``--events FILE`` one JSON line per step, kill and join (bench/test_replace.py reads them).
 ``--checkpoint-dir DIR`` is the restart-based alternative the benchmark compares with: a
 torch.distributed.checkpoint save after every step, loaded at start (plain torchrun with
-``--max-restarts``).
+``--max-restarts``). ``--backend nccl --device cuda`` runs it on GPUs (each process on its
+LOCAL_RANK's GPU).
 """
 
 from __future__ import annotations
@@ -116,13 +117,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--events", default=None)
     p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--backend", default="gloo", help="gloo (default), nccl, or another registered backend")
+    p.add_argument(
+        "--device", default="cpu", help="cpu (default) or cuda: this process's GPU is LOCAL_RANK's"
+    )
     args = p.parse_args(argv)
 
-    fastdist.init_process_group("gloo")  # env:// from the launcher; a joiner returns at once
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    fastdist.init_process_group(args.backend)  # env:// from the launcher; a joiner returns at once
     rank = fastdist.get_rank()
     Events(args.events, rank)("started", agent=os.getppid())
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)
     model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     progress = Progress()
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.time()
             with fastdist.fail_after(args.step_timeout):
                 opt.zero_grad()
-                model(batch(progress.step, rank)).pow(2).mean().backward()
+                model(batch(progress.step, rank).to(device)).pow(2).mean().backward()
                 opt.step()
             progress.step += 1
             events("step", step=progress.step, seconds=time.time() - t0, resumed=resumed)
@@ -172,13 +181,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         torch.save(
             {
-                "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
-                "optim": opt.state_dict(),
+                "params": {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()},
+                "optim": _to_cpu(opt.state_dict()),
                 "step": progress.step,
             },
             os.path.join(args.out, f"rank{rank}.pt"),
         )
     print(f"rank {rank}: done at step {progress.step}", flush=True)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
 
 
 def compare(reference: str, other: str, world: int) -> float:

@@ -85,28 +85,42 @@ def set_pending(on: bool) -> None:
     global _pending
     with _lock:
         _pending = on
-        _c10d.ProcessGroupGloo = _SoloGloo if on else _RealGloo  # type: ignore[misc]
+        for name, real in _REAL.items():
+            setattr(_c10d, name, _STAND_INS[name] if on else real)
 
 
-_RealGloo = _c10d.ProcessGroupGloo
+def _stand_in(real: Any, backend_name: str) -> Any:
+    """A class that stands in for ``real`` (ProcessGroupGloo, ProcessGroupNCCL) in torch's group
+    creation while a joiner waits for its slot: the group is made, named and registered as torch
+    makes it, on a SoloBackend, and nothing connects to a peer (gloo would connect at once; NCCL
+    at the constructors' first collective, which the live ranks, busy in recover(), never join)."""
+
+    class Meta(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, (real, _watched.SoloBackend))
+
+        def __getattr__(cls, name: str) -> Any:
+            return getattr(real, name)
+
+    class StandIn(metaclass=Meta):
+        def __new__(cls, store: Any, rank: int, size: int, *args: Any, **kwargs: Any) -> Any:
+            backend = _watched.SoloBackend(rank, size, backend_name)
+            backend.options = _Options()
+            return backend
+
+    StandIn.__name__ = f"Solo{real.__name__}"
+    return StandIn
 
 
-class _SoloGlooMeta(type):
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, (_RealGloo, _watched.SoloBackend))
-
-    def __getattr__(cls, name: str) -> Any:
-        return getattr(_RealGloo, name)
-
-
-class _SoloGloo(metaclass=_SoloGlooMeta):
-    """Stands in for ProcessGroupGloo in torch's group creation while a joiner waits for its
-    slot: the group is made, named and registered as torch makes it, on a SoloBackend."""
-
-    def __new__(cls, store: Any, rank: int, size: int, *args: Any, **kwargs: Any) -> Any:
-        backend = _watched.SoloBackend(rank, size, "gloo")
-        backend.options = _Options()
-        return backend
+# What torch.distributed constructs a group's backend with, by name: stood in for while pending.
+_REAL: dict[str, Any] = {
+    attr: getattr(_c10d, attr)
+    for attr in ("ProcessGroupGloo", "ProcessGroupNCCL")
+    if isinstance(getattr(_c10d, attr, None), type)
+}
+_STAND_INS = {
+    attr: _stand_in(real, "gloo" if attr == "ProcessGroupGloo" else "nccl") for attr, real in _REAL.items()
+}
 
 
 class _Options:
