@@ -136,6 +136,96 @@ def gpu_bench(ctx) -> None:
     ctx.record("gpu_bench", **out)
 
 
+def gpu_torch_ops_bench(ctx) -> None:
+    """For bench/: torch.distributed's own calls on NCCL, one GPU, a watched group against a plain
+    one in the same process (alternating): a synchronous all_reduce of 1 element and of 1 MB (the
+    plain one followed by torch.cuda.synchronize(): a watched synchronous op returns once the GPU
+    ran it), the issue cost of async ones, and a DDP step of a real model."""
+    import statistics
+
+    from fastdist.ops import watching
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1)
+    plain = dist.group.WORLD
+    watching.activate(None)  # groups made from now on are watched, as after fastdist.init_process_group
+    watched = dist.new_group([0], backend="nccl")
+    out: dict[str, dict[str, float]] = {}
+    for label, numel in (("sync_1", 1), ("sync_1mb", 256 * 1024)):
+        t = torch.ones(numel, device="cuda")
+        times: dict[str, list[float]] = {"plain": [], "watched": []}
+        for i in range(600):
+            for which in ("plain", "watched") if i % 2 == 0 else ("watched", "plain"):
+                t0 = time.perf_counter()
+                dist.all_reduce(t, group=plain if which == "plain" else watched)
+                torch.cuda.synchronize()
+                times[which].append(time.perf_counter() - t0)
+        p, w = statistics.median(times["plain"][50:]), statistics.median(times["watched"][50:])
+        out[label] = {"plain_us": p * 1e6, "watched_us": w * 1e6, "ratio": w / p}
+    t = torch.ones(1, device="cuda")
+    issue: dict[str, list[float]] = {"plain": [], "watched": []}
+    for _ in range(7):
+        for which in ("plain", "watched"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            group = plain if which == "plain" else watched
+            handles = [dist.all_reduce(t, group=group, async_op=True) for _ in range(500)]
+            issue[which].append((time.perf_counter() - t0) / 500)
+            for h in handles:
+                h.wait()
+    p, w = statistics.median(issue["plain"][1:]), statistics.median(issue["watched"][1:])
+    out["async_issue"] = {"plain_us": p * 1e6, "watched_us": w * 1e6, "ratio": w / p}
+    # A DDP step (forward, backward with its bucketed all_reduces, optimizer step) of an 8-layer
+    # 4096-wide MLP (134M parameters), on the plain group and on the watched one, alternating.
+    models = {}
+    for which, group in (("plain", plain), ("watched", watched)):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()
+        ddp = torch.nn.parallel.DistributedDataParallel(net, process_group=group)
+        models[which] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    x = torch.randn(64, 4096, device="cuda")
+    steps: dict[str, list[float]] = {"plain": [], "watched": []}
+    for i in range(60):
+        for which in ("plain", "watched") if i % 2 == 0 else ("watched", "plain"):
+            ddp, opt = models[which]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+            torch.cuda.synchronize()
+            steps[which].append(time.perf_counter() - t0)
+    p, w = statistics.median(steps["plain"][10:]), statistics.median(steps["watched"][10:])
+    out["ddp_step"] = {"plain_ms": p * 1e3, "watched_ms": w * 1e3, "ratio": w / p}
+    ctx.record("gpu_torch_ops", **out)
+
+
+def gpu_abort_bench(ctx) -> None:
+    """For bench/: two ranks on one GPU (each a host of its own to NCCL), rank 1 never joins an
+    all_reduce: how late rank 0's error comes after its 1 s deadline, and how long torch's abort of
+    the communicators takes with that kernel in flight."""
+    os.environ["NCCL_HOSTID"] = f"fastdist-bench-host{ctx.rank}"
+    torch.cuda.set_device(0)
+    fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=2)
+    t = torch.ones(1024, device="cuda")
+    fastdist.all_reduce(t, timeout=60)
+    torch.cuda.synchronize()
+    if ctx.rank == 1:
+        ctx.wait_release()
+        return
+    from fastdist.ops import polled
+
+    t0 = time.monotonic()
+    try:
+        fastdist.all_reduce(t, timeout=1.0)
+    except CollectiveTimeoutError:
+        raised = time.monotonic() - t0
+    t1 = time.monotonic()
+    polled.wait_aborts()
+    waited = time.monotonic() - t1
+    ctx.record("abort", error_after_deadline_ms=(raised - 1.0) * 1e3, abort_wait_ms=waited * 1e3)
+
+
 def bench_detection(ctx) -> None:
     """For bench/: time from the deadline to the error in the caller over N hangs on a 2-rank
     subgroup, with the missing-rank report (the default) and without it."""

@@ -55,3 +55,27 @@ def test_gpu_all_reduce_overhead(benchmark) -> None:
         f"fastdist {a['fastdist_us']:.1f} us, ratio {a['ratio']:.3f}"
     )
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_torch_ops_on_a_watched_group(benchmark) -> None:
+    results = run_ranks(ranks.gpu_torch_ops_bench, 1, timeout=280)
+    assert results[0].returncode == 0, describe(results)
+    rec = results[0].record("gpu_torch_ops")
+    benchmark.extra_info.update(rec)
+    for k, v in rec.items():
+        if isinstance(v, dict):
+            print(f"\nwatched/plain NCCL {k}: {v}")
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_abort_with_a_kernel_in_flight(benchmark) -> None:
+    from gpu.nccl_gpu_ranks import SHARED_GPU_ENV
+
+    results = run_ranks(ranks.gpu_abort_bench, 2, absent=(1,), env=SHARED_GPU_ENV, timeout=120)
+    assert results[0].returncode == 0, describe(results)
+    rec = results[0].record("abort")
+    benchmark.extra_info.update(rec)
+    print(f"\nNCCL abort with a kernel in flight: {rec}")
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)

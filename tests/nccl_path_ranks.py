@@ -170,19 +170,23 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _reference(world_size: int, steps: int) -> list[torch.Tensor]:
-    """The undisturbed run, on one process: each step's gradient is the ranks' gradients
-    averaged (what DDP's and FSDP2's reductions compute), applied by the same optimizer."""
+def _net(device: torch.device) -> torch.nn.Module:
     from torch import nn
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(device)
+
+
+def _reference(world_size: int, steps: int, device: torch.device) -> list[torch.Tensor]:
+    """The undisturbed run, on one process: each step's gradient is the ranks' gradients
+    averaged (what DDP's and FSDP2's reductions compute), applied by the same optimizer."""
+    model = _net(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
         grads = []
         for rank in range(world_size):
             model.zero_grad()
-            model(_batch(step, rank)).pow(2).mean().backward()
+            model(_batch(step, rank).to(device)).pow(2).mean().backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for i, p in enumerate(model.parameters()):
             p.grad = sum(g[i] / world_size for g in grads)
@@ -190,28 +194,34 @@ def _reference(world_size: int, steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _train_on_the_double(ctx, kind: str) -> None:
-    """2 ranks on the double, DDP or FSDP2: rank 1 sleeps 4 s before its backward at step 2
-    inside fail_after(1.5). Rank 0's backward waits on the gradients' reduction, which never runs
-    without rank 1: it must raise at its deadline (not go on to opt.step() with gradients that
-    were never reduced), both ranks recover and redo the step with the same model objects, and
-    the final model equals the undisturbed run's."""
+def init_double(ctx) -> torch.device:
     import fake_nccl
-    from torch import nn
 
     fake_nccl.register()
     fastdist.init_process_group(
         fake_nccl.NAME, store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size
     )
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    return torch.device("cpu")
+
+
+def train_with_a_stall(ctx, kind: str, init=init_double) -> None:
+    """2 ranks, DDP or FSDP2, on the CPU double of NCCL (``init``: tests/gpu passes real NCCL on a
+    GPU): rank 1 sleeps 4 s before its backward at step 2 inside fail_after(1.5). Rank 0's
+    backward waits on the gradients' reduction, which never runs without rank 1: it must raise at
+    its deadline (not go on to opt.step() with gradients that were never reduced), both ranks
+    recover and redo the step with the same model objects, and the final model equals the
+    undisturbed run's."""
+    from torch import nn
+
+    device = init(ctx)
+    net = _net(device)
     if kind == "ddp":
         model: nn.Module = nn.parallel.DistributedDataParallel(net)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (ctx.world_size,))
+        mesh = init_device_mesh(device.type, (ctx.world_size,))
         for layer in net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -222,9 +232,9 @@ def _train_on_the_double(ctx, kind: str) -> None:
     while step < steps:
         t0 = time.monotonic()
         try:
-            with fastdist.fail_after(1.5 if step else 30.0):
+            with fastdist.fail_after(1.5 if step else 60.0):
                 opt.zero_grad()
-                loss = model(_batch(step, ctx.rank)).pow(2).mean()
+                loss = model(_batch(step, ctx.rank).to(device)).pow(2).mean()
                 if step == 2 and ctx.rank == 1 and not slept:
                     slept = True
                     time.sleep(4.0)
@@ -241,17 +251,17 @@ def _train_on_the_double(ctx, kind: str) -> None:
         final = [p.detach() for p in model.parameters()]
     else:
         final = [p.full_tensor().detach() for p in model.parameters()]
-    ref = _reference(ctx.world_size, steps)
+    ref = _reference(ctx.world_size, steps, device)
     diff = max(float((a - b).abs().max()) for a, b in zip(final, ref))
     ctx.record("done", steps=step, applied=applied, diff=diff)
 
 
 def nccl_double_ddp(ctx) -> None:
-    _train_on_the_double(ctx, "ddp")
+    train_with_a_stall(ctx, "ddp")
 
 
 def nccl_double_fsdp2(ctx) -> None:
-    _train_on_the_double(ctx, "fsdp2")
+    train_with_a_stall(ctx, "fsdp2")
 
 
 def fake_nccl_report(ctx) -> None:

@@ -66,27 +66,30 @@ def test_the_nccl_double_follows_torchs_contract_and_torch_ops_are_bounded() -> 
     assert r.returncode == 0, info
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_a_stalled_step_on_the_nccl_path_raises_in_time_and_is_redone_exactly(kind: str) -> None:
-    scenario = nccl_path_ranks.nccl_double_ddp if kind == "ddp" else nccl_path_ranks.nccl_double_fsdp2
-    results = run_ranks(scenario, 2, timeout=120)
+def assert_stalled_step_redone(results: list, tolerance: float) -> None:
+    """What nccl_path_ranks.train_with_a_stall must show (tests/gpu asserts the same on a GPU)."""
     info = describe(results)
     r0, r1 = results
     err = r0.record("error")
     # Raised inside the step at its deadline (1.5 s; rank 1's 4 s sleep is not waited out), before
     # opt.step() applied gradients that were never reduced.
-    assert err["kind"] in ("CollectiveTimeoutError", "GroupAbortedError") and 1.5 <= err["elapsed"] < 2.5, (
-        info
-    )
+    assert err["kind"] in ("CollectiveTimeoutError", "GroupAbortedError"), info
+    assert 1.5 <= err["elapsed"] < 2.5, info
     assert (r0.record("at_error")["step"], r0.record("at_error")["applied"]) == (2, 2), info
     assert r1.has("error") and r1.record("at_error")["applied"] == 2, info
     for r in results:
         assert r.record("recovered")["same_group"] is True, info
         done = r.record("done")
         assert done["steps"] == 5 and done["applied"] == 5, info
-        assert done["diff"] <= 1e-6, info  # the undisturbed run's model: the step redone once
+        assert done["diff"] <= tolerance, info  # the undisturbed run's model: the step redone once
         assert r.returncode == 0, info
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_a_stalled_step_on_the_nccl_path_raises_in_time_and_is_redone_exactly(kind: str) -> None:
+    scenario = nccl_path_ranks.nccl_double_ddp if kind == "ddp" else nccl_path_ranks.nccl_double_fsdp2
+    assert_stalled_step_redone(run_ranks(scenario, 2, timeout=120), 1e-6)
 
 
 @pytest.mark.timeout(60)

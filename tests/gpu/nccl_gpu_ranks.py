@@ -8,7 +8,29 @@ import time
 import fastdist
 import torch
 import torch.distributed as dist
-from fastdist import CollectiveTimeoutError
+from fastdist import CollectiveTimeoutError, FastdistError
+from fastdist.ops import polled
+
+# Two ranks on ONE GPU (../shared/notes/gpu.md): NCCL refuses two ranks of a communicator on one
+# device unless each looks like a host of its own (NCCL_HOSTID, set per rank below); they then
+# talk over sockets on loopback. Passed to every rank (tests/gpu/test_nccl_gpu.py).
+SHARED_GPU_ENV = {
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+}
+
+
+def init_shared_gpu(ctx) -> torch.device:
+    """NCCL with the ranks spread over the GPUs there are (both on GPU 0 when there is one)."""
+    os.environ["NCCL_HOSTID"] = f"fastdist-test-host{ctx.rank}"
+    device = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    fastdist.init_process_group(
+        "nccl", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size
+    )
+    return device
 
 
 def _sleep_cycles_per_second() -> float:
@@ -86,15 +108,13 @@ def gpu_nccl_timeout_and_recover(ctx) -> None:
     ctx.record("alive_after", ok=True)
 
 
-def gpu_nccl_missing_rank(ctx) -> None:
-    """Two or more GPUs: the last rank skips an all_reduce; the others report it missing."""
-    torch.cuda.set_device(ctx.rank)
-    fastdist.init_process_group(
-        "nccl", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world_size
-    )
+def gpu_missing_rank(ctx) -> None:
+    """The last rank skips an all_reduce; the others report it missing at the deadline."""
+    init_shared_gpu(ctx)
     t = torch.ones(1024, device="cuda")
-    fastdist.all_reduce(t, timeout=30)
+    fastdist.all_reduce(t, timeout=60)
     torch.cuda.synchronize()
+    ctx.record("healthy", value=t[0].item())
     if ctx.rank == ctx.world_size - 1:
         ctx.wait_release()
         return
@@ -104,3 +124,70 @@ def gpu_nccl_missing_rank(ctx) -> None:
         ctx.record("no_timeout")
     except CollectiveTimeoutError as e:
         ctx.record("timeout", elapsed=time.monotonic() - t0, missing=e.missing_ranks, message=str(e))
+    t0 = time.monotonic()
+    polled.wait_aborts()  # torch's abort of the communicators, started at the deadline
+    ctx.record("aborted", seconds=time.monotonic() - t0)
+
+
+def gpu_killed_rank(ctx) -> None:
+    """Rank 1 is SIGKILLed while rank 0's NCCL kernel waits for it in an all_reduce: rank 0 raises
+    (by its deadline at the latest), stays alive, and trains on alone after recover(allow_shrink)."""
+    import signal
+
+    init_shared_gpu(ctx)
+    t = torch.ones(1024, device="cuda")
+    fastdist.all_reduce(t, timeout=60)
+    torch.cuda.synchronize()
+    ctx.record("healthy")
+    if ctx.rank == 1:
+        time.sleep(1.0)  # rank 0's kernel is in flight by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        fastdist.all_reduce(t, timeout=5.0)
+        ctx.record("no_error")
+    except FastdistError as e:
+        ctx.record("error", kind=type(e).__name__, elapsed=time.monotonic() - t0, message=str(e))
+    new = fastdist.recover(timeout=30, allow_shrink=True)
+    t = torch.full((4,), 3.0, device="cuda")
+    fastdist.all_reduce(t, group=new, timeout=30)
+    torch.cuda.synchronize()
+    ctx.record("alone", world=dist.get_world_size(), value=t[0].item())
+
+
+def gpu_train_ddp(ctx) -> None:
+    import nccl_path_ranks
+
+    nccl_path_ranks.train_with_a_stall(ctx, "ddp", init=init_shared_gpu)
+
+
+def gpu_train_fsdp2(ctx) -> None:
+    import nccl_path_ranks
+
+    nccl_path_ranks.train_with_a_stall(ctx, "fsdp2", init=init_shared_gpu)
+
+
+def gpu_graph_capture(ctx) -> None:
+    """A collective captured in a CUDA graph on a watched group: works as on plain NCCL (it is
+    issued unwatched), or is refused with an error that says why."""
+    init_shared_gpu(ctx)
+    t = torch.ones(16, device="cuda")
+    fastdist.all_reduce(t, timeout=60)  # communicators made before the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            dist.all_reduce(t)
+        for _ in range(3):
+            t.fill_(1.0)
+            graph.replay()
+        torch.cuda.synchronize()
+        ctx.record("captured", value=t[0].item())
+    except Exception as e:  # noqa: BLE001 - what the test asserts on
+        ctx.record("refused", kind=type(e).__name__, message=str(e))
+    t = torch.ones(16, device="cuda")
+    fastdist.all_reduce(t, timeout=30)  # the group works after either
+    torch.cuda.synchronize()
+    ctx.record("after", value=t[0].item())
