@@ -89,6 +89,16 @@ def test_other_bad_arguments_name_the_argument() -> None:
     with pytest.raises(ValueError, match=r"^timeout must be positive, got -1.0$"):
         fastdist.grow({}, timeout=-1)
     assert fastdist.grow({"m": torch.nn.Linear(1, 1)}) is False
+    # sync_state(): the timeout too, on a first start (which returns False at once otherwise).
+    for bad, message in (
+        (-1, "timeout must be positive, got -1.0"),
+        (math.nan, "timeout must not be NaN, got nan"),
+    ):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            fastdist.sync_state({"m": torch.nn.Linear(1, 1)}, timeout=bad)
+    with pytest.raises(TypeError, match=r"^timeout must be a number of seconds"):
+        fastdist.sync_state({}, timeout="10")
+    assert fastdist.sync_state({"m": torch.nn.Linear(1, 1)}, timeout=5) is False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -652,6 +662,22 @@ def test_init_twice_and_a_timeout_of_a_million_days(tmp_path: Any) -> None:
             ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--spares", "1"],
             "--spares is for one node (--nnodes 1) for now",
         ),
+        # Issue 40: all spares and no worker trained nothing and exited 0; 0 or -1 processes, or
+        # 0 nodes, were torch's bare AssertionError from inside its agent.
+        (
+            ["--nproc-per-node", "3", "--spares", "3"],
+            "--spares 3 leaves no process of --nproc-per-node 3 to train: give fewer",
+        ),
+        (
+            ["--nproc-per-node", "2", "--spares", "5"],
+            "--spares 5 leaves no process of --nproc-per-node 2 to train: give fewer",
+        ),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1, got 0"),
+        (["--nproc-per-node", "-1"], "--nproc-per-node must be at least 1, got -1"),
+        (["--nproc-per-node", "lots"], "--nproc-per-node lots: Unsupported nproc_per_node value: lots"),
+        (["--nnodes", "0"], "--nnodes must be at least 1 (and MIN <= MAX), got '0'"),
+        (["--nnodes", "3:2"], "--nnodes must be at least 1 (and MIN <= MAX), got '3:2'"),
+        (["--nnodes", "a:b:c"], "--nnodes must be N or MIN:MAX (whole numbers), got 'a:b:c'"),
     ],
 )
 def test_fastdist_run_refuses_what_it_cannot_do_before_starting_anything(
@@ -661,6 +687,38 @@ def test_fastdist_run_refuses_what_it_cannot_do_before_starting_anything(
 
     with pytest.raises(SystemExit, match=f"^fastdist run: {re.escape(message)}$"):
         launcher.main([*flags, "-m", "fastdist.examples.train_ddp"])
+
+
+def test_fastdist_run_names_a_busy_master_port_in_one_line_and_starts_no_worker(tmp_path: Any) -> None:
+    """The real command line: --master-port held by another process, and --nproc-per-node 0. One
+    line each naming the flag, exit code 1, and the script never ran (it was torch's traceback)."""
+    import socket
+
+    marker = tmp_path / "ran"
+    script = tmp_path / "worker.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags, line in (
+            (
+                ["--master-port", str(port), "--nproc-per-node", "2"],
+                f"fastdist run: port {port} (--master-port) is already in use on this host (another job's "
+                + "store, or another process): give a free port, or stop what holds it",
+            ),
+            (["--nproc-per-node", "0"], "fastdist run: --nproc-per-node must be at least 1, got 0"),
+        ):
+            proc = subprocess.run(
+                [sys.executable, "-m", "fastdist.run", "--master-addr", "127.0.0.1", *flags, str(script)],
+                capture_output=True,
+                text=True,
+                timeout=50,
+                check=False,
+            )
+            assert proc.returncode == 1, proc.stderr[-3000:]
+            assert proc.stderr.strip() == line, proc.stderr[-3000:]
+    assert not marker.exists()
 
 
 def test_a_watched_ops_future_asked_for_before_or_after_it_ended() -> None:

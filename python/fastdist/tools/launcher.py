@@ -22,17 +22,20 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import errno
 import json
 import logging
 import os
+import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 from unittest import mock
 
-from torch.distributed import TCPStore
+from torch.distributed import DistNetworkError, TCPStore
 from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import start_processes
@@ -307,24 +310,99 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
-    if args.max_replacements < 0:
-        raise SystemExit("fastdist run: --max-replacements must be >= 0")
-    if args.spares < 0:
-        raise SystemExit("fastdist run: --spares must be >= 0")
-    if args.max_restarts:
-        raise SystemExit("fastdist run: --max-restarts restarts every worker; use --max-replacements")
-    if args.node_wait <= 0:
-        raise SystemExit("fastdist run: --node-wait must be > 0")
+def _refuse(text: str) -> NoReturn:
+    """Ends the launcher with one line on stderr (exit code 1), before anything was started."""
+    raise SystemExit(f"fastdist run: {text}")
+
+
+def _node_counts(nnodes: str) -> tuple[int, int]:
     from torch.distributed.run import parse_min_max_nnodes
 
-    link: nodes.NodeLink | None = None
-    if parse_min_max_nnodes(str(args.nnodes))[1] > 1:
+    try:
+        low, high = parse_min_max_nnodes(nnodes)
+    except (ValueError, RuntimeError):
+        _refuse(f"--nnodes must be N or MIN:MAX (whole numbers), got {nnodes!r}")
+    if not 0 < low <= high:
+        _refuse(f"--nnodes must be at least 1 (and MIN <= MAX), got {nnodes!r}")
+    return int(low), int(high)
+
+
+def _local_workers(nproc: str) -> int:
+    """--nproc-per-node as a count of processes (torch's words for auto/cpu/gpu), at least 1."""
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        count = int(determine_local_world_size(nproc))
+    except ValueError as exc:
+        _refuse(f"--nproc-per-node {nproc}: {exc}")
+    if count < 1:
+        _refuse(f"--nproc-per-node must be at least 1, got {nproc}")
+    return count
+
+
+def _store_port(args: argparse.Namespace) -> int | None:
+    """The port this agent's store will listen on: --master-port, with torch's static rendezvous
+    (one node: several need c10d). Else none to check: torch picks a free port (no
+    --master-port), or the rendezvous endpoint's host listens."""
+    static = args.rdzv_backend == "static" and not args.rdzv_endpoint and not args.standalone
+    if not static or args.node_rank != 0 or args.master_port is None:
+        return None
+    return int(args.master_port)
+
+
+def _port_taken(port: int) -> bool:
+    """Whether something on this host already listens on ``port`` (as torch's TCPStore binds:
+    every address, SO_REUSEADDR, so that a port a finished job left in TIME_WAIT is free)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _busy_port_line(port: int, flag: str = "--master-port") -> str:
+    return (
+        f"port {port} ({flag}) is already in use on this host (another job's store, or another "
+        "process): give a free port, or stop what holds it"
+    )
+
+
+def check_args(args: argparse.Namespace) -> tuple[int, int]:
+    """Refuses what cannot run, one line naming the flag, before anything starts (torch would
+    start an agent and fail with a traceback, or, for spares that leave no worker, train
+    nothing and exit 0). Returns (the local worker count, the most nodes)."""
+    if args.max_replacements < 0:
+        _refuse("--max-replacements must be >= 0")
+    if args.spares < 0:
+        _refuse("--spares must be >= 0")
+    if args.max_restarts:
+        _refuse("--max-restarts restarts every worker; use --max-replacements")
+    if not args.node_wait > 0:  # (NaN too)
+        _refuse("--node-wait must be > 0")
+    _, max_nodes = _node_counts(str(args.nnodes))
+    if max_nodes > 1:
         if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
-            raise SystemExit("fastdist run: several nodes need --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
+            _refuse("several nodes need --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
         if args.spares:
-            raise SystemExit("fastdist run: --spares is for one node (--nnodes 1) for now")
+            _refuse("--spares is for one node (--nnodes 1) for now")
+    workers = _local_workers(str(args.nproc_per_node))
+    if args.spares >= workers:
+        _refuse(
+            f"--spares {args.spares} leaves no process of --nproc-per-node {workers} to train: give fewer"
+        )
+    port = _store_port(args)
+    if port is not None and _port_taken(port):
+        _refuse(_busy_port_line(port))
+    return workers, max_nodes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    _, max_nodes = check_args(args)
+    link: nodes.NodeLink | None = None
+    if max_nodes > 1:
         link = nodes.NodeLink(args.rdzv_endpoint, args.rdzv_id)
         if link.job_running():
             nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else None
@@ -361,6 +439,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             torchrun.run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as exc:
         print(f"[fastdist run] the job failed: {exc.get_first_failure()[1].message or exc}", file=sys.stderr)
+        return 1
+    except DistNetworkError as exc:
+        # Taken between check_args and the store's bind (torch says so in a traceback).
+        taken = re.search(r"port: (\d+)\b.*EADDRINUSE", str(exc))
+        if taken is None:
+            raise
+        flag = "--master-port" if args.rdzv_backend == "static" else "--rdzv-endpoint"
+        print(f"fastdist run: {_busy_port_line(int(taken.group(1)), flag)}", file=sys.stderr)
         return 1
     finally:
         for agent in agents:
