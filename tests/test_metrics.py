@@ -129,3 +129,118 @@ def test_metrics_and_events_after_a_fault(tmp_path: Path) -> None:
         ), text
     for r in range(3):
         assert re.search(rf"rank {r} default gen 1: recovery: recovered in \d\.\d+ s", text), text
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 40: metrics never block or stop training.
+
+
+def _scrape(port: int, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as resp:
+        return str(resp.read().decode())
+
+
+@pytest.mark.timeout(30)
+def test_an_idle_or_half_sent_connection_holds_up_no_scrape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One connection that sends nothing and one that stops halfway through its request: the
+    scrapes beside them are answered (one thread answered connections in turn, and waited on the
+    first for ever), and the server closes each stalled connection after CONNECTION_SECONDS."""
+    import fastdist
+    from fastdist import metrics
+
+    monkeypatch.setattr(metrics, "CONNECTION_SECONDS", 1.0)
+    port = fastdist.serve_metrics(0, "127.0.0.1")
+    idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+    half = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        half.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # no blank line: never complete
+        time.sleep(0.2)  # both stalled connections are accepted before the scrapes
+        for _ in range(3):
+            assert "# HELP fastdist_ops_total" in _scrape(port, timeout=5)
+        # Closed by the server after ~1 s: the read ends (b"") instead of timing out (10 s: a
+        # bound for a loaded machine, not a measurement).
+        for sock in (idle, half):
+            assert sock.recv(4096) == b"", "the server answered a request that never came"
+    finally:
+        idle.close()
+        half.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_metrics_port_is_named_and_training_goes_on(tmp_path: Path) -> None:
+    """FASTDIST_METRICS_PORT taken by another process: init_process_group warns, naming the port,
+    and the rank trains (the bind's OSError killed it); serve_metrics() on that port raises
+    MetricsPortError (an OSError, errno EADDRINUSE) naming it."""
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = (
+            "import errno, pickle, sys, torch, torch.distributed as dist, fastdist\n"
+            "fastdist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "t = torch.ones(2)\n"
+            "fastdist.all_reduce(t, timeout=10)\n"
+            "print('trained', t.tolist(), flush=True)\n"
+            "try:\n"
+            "    fastdist.serve_metrics(int(sys.argv[1]))\n"
+            "except fastdist.MetricsPortError as exc:\n"
+            "    assert isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE, repr(exc)\n"
+            "    assert str(pickle.loads(pickle.dumps(exc))) == str(exc)\n"
+            "    print('refused:', exc, flush=True)\n"
+        )
+        env = {**__import__("os").environ, "FASTDIST_METRICS_PORT": str(port), "LOCAL_RANK": "0"}
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=50,
+            check=False,
+        )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "trained [1.0, 1.0]" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert f"fastdist metrics cannot listen on 0.0.0.0:{port}" in out.stderr, out.stderr[-3000:]
+    assert "training goes on without metrics" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert f"refused: fastdist metrics cannot listen on 0.0.0.0:{port}: " in out.stdout, out.stdout
+    assert f"port {port} is taken" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(60)
+def test_report_skips_damaged_event_and_dump_files_with_one_line_each(tmp_path: Path) -> None:
+    """Issue 40: `fastdist report` printed a traceback on a binary events file, an event whose
+    time is not a number, or a dump missing its history. Each damaged file is now one line on
+    stderr, and the good records are still reported."""
+    good = {"event": "timeout", "time": 1700000000.5, "rank": 0, "group": "default", "generation": 0}
+    events = tmp_path / "events-0.jsonl"
+    events.write_text(
+        json.dumps(good) + "\n" + json.dumps({**good, "time": "soon"}) + "\n" + '{"event": "recov\n'
+    )
+    (tmp_path / "events-1.jsonl").write_bytes(b"\xff\xfe\x00 not text")
+    dump = {"group": "default", "generation": 0, "rank": 1, "error": "x", "world_size": 2}
+    (tmp_path / "fastdist-default-gen0-rank1.json").write_text(json.dumps(dump))  # no history
+    (tmp_path / "fastdist-default-gen0-rank2.json").write_text('{"group": "default", "gen')  # cut short
+    history = [{"seq": 1, "op": "all_reduce", "outcome": "ok", "start": 1.0, "end": 2.0}]
+    (tmp_path / "fastdist-default-gen0-rank0.json").write_text(
+        json.dumps({**dump, "rank": 0, "history": history})
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "fastdist", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    skipped = out.stderr.strip().splitlines()
+    assert len(skipped) == 4, skipped
+    assert (
+        f"skipping {tmp_path}/fastdist-default-gen0-rank1.json: not a fastdist dump (history is missing"
+        in (out.stderr)
+    )
+    assert (
+        f"skipping {tmp_path}/fastdist-default-gen0-rank2.json: not a fastdist dump (not JSON" in out.stderr
+    )
+    assert f"skipping {tmp_path}/events-1.jsonl: not text (damaged?)" in out.stderr
+    assert f"skipping 2 lines (the first: line 2) of {events}: not a fastdist event" in out.stderr
+    assert "group 'default', generation 0: dumps from ranks 0" in out.stdout, out.stdout
+    assert "events: 1 from ranks 0 (1 timeout)" in out.stdout, out.stdout

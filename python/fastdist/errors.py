@@ -8,6 +8,7 @@ timeout error is also a builtin :class:`TimeoutError`, so ``except TimeoutError`
 from __future__ import annotations
 
 import copy
+import errno
 import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "FastdistError",
     "GroupAbortedError",
+    "MetricsPortError",
     "RecoveryError",
     "RendezvousClosedError",
     "RendezvousConnectionError",
@@ -361,6 +363,33 @@ class GroupAbortedError(FastdistError):
             f"{self.op} on group {self.group!r} on rank {self.rank}: the group is aborted "
             f"({self.reason}); {_next_step(self.reason)}"
         )
+
+
+class MetricsPortError(FastdistError, OSError):
+    """fastdist's metrics could not listen where they were asked to. Fields: ``address``,
+    ``port``, ``code`` (the system's errno, also in ``errno``: ``errno.EADDRINUSE`` for a port
+    already in use) and ``reason`` (the system's words). An ``OSError``, as the bind's own error
+    was, so that ``except OSError`` and errno checks written for it keep working."""
+
+    _fields = ("address", "port", "code", "reason")
+
+    address: str
+    port: int
+    code: int | None
+    reason: str
+
+    def __init__(self, message: str = "", **fields: Any) -> None:
+        super().__init__(message, **fields)
+        self.errno = self.code
+
+    def _message(self) -> str:
+        text = f"fastdist metrics cannot listen on {self.address}:{self.port}: {self.reason}"
+        if self.code == errno.EADDRINUSE:
+            text += (
+                f" (port {self.port} is taken, by another job's metrics or another process: set "
+                "FASTDIST_METRICS_PORT to a free port, or call serve_metrics(0) to have one picked)"
+            )
+        return text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,19 +11,29 @@ fastdist.diagnostics.events. Nothing is added to an op's path.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from .diagnostics import events
+from .errors import MetricsPortError
 from .groups import pgstate, registry
+
+logger = logging.getLogger(__name__)
 
 PORT_ENV = "FASTDIST_METRICS_PORT"
 # Collective durations (seconds): 100 us to 5 min.
 BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 300.0)
 # Detection and recovery (seconds).
 SLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# A scrape connection that sends nothing, or stops halfway, is closed after this long (seconds
+# per read or write); Prometheus' own scrape timeout is 10 s.
+CONNECTION_SECONDS = 10.0
+# Scrapes answered at once; one more connection is closed unanswered (no thread for it).
+MAX_CONNECTIONS = 8
 
 _lock = threading.Lock()
 _servers: dict[int, Any] = {}
@@ -131,13 +141,51 @@ class _Collector:
         yield hint
 
 
+def _server_class(handler: type[Any]) -> Any:
+    """An HTTP server that answers each connection in a thread of its own, so that a connection
+    that sends nothing (or half a request) holds up only itself, and only for
+    ``CONNECTION_SECONDS``; beyond ``MAX_CONNECTIONS`` at once, a new one is closed unanswered."""
+    import http.server  # here, not at import: `import fastdist` imports nothing torch does not
+    import socketserver
+
+    class Handler(handler):  # type: ignore[misc]
+        # socketserver sets this on the connection: an idle or half-sent one ends after it.
+        timeout = CONNECTION_SECONDS
+
+    class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+        daemon_threads = True  # a scrape in flight never holds up the rank's exit
+        block_on_close = False
+
+        def __init__(self, address: tuple[str, int]) -> None:
+            super().__init__(address, Handler)
+            self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)  # a flood of connections costs no more threads
+                return
+            super().process_request(request, client_address)
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            # (socketserver prints a traceback to stderr: a scraper that hung up is no news)
+            logger.debug("fastdist metrics: a scrape from %s failed: %r", client_address, sys.exc_info()[1])
+
+    return Server
+
+
 def serve_metrics(port: int, addr: str = "0.0.0.0") -> int:
-    """Serves this process's metrics in Prometheus' text format on ``addr:port`` (a thread of
-    ``prometheus_client``'s; idempotent per port). Returns the port (``port=0``: one picked)."""
+    """Serves this process's metrics in Prometheus' text format on ``addr:port`` (a thread per
+    scrape, each connection bounded by ``CONNECTION_SECONDS``; idempotent per port). Returns the
+    port (``port=0``: one picked). A port that cannot be had (taken by another process) raises
+    :class:`fastdist.MetricsPortError` naming it."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in 0..65535, got {port!r}")
-    import http.server  # here, not at import: `import fastdist` imports nothing torch does not
-
     try:
         from prometheus_client import CollectorRegistry, MetricsHandler
     except ImportError:
@@ -149,9 +197,12 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> int:
             return port
         reg = CollectorRegistry(auto_describe=False)
         reg.register(_Collector())
-        # One thread answers the scrapes in turn (prometheus_client's own server starts a thread
-        # per request, and cost the DDP step 6-8% at one scrape a second on 2 cores).
-        server = http.server.HTTPServer((addr, port), MetricsHandler.factory(reg))
+        try:
+            server = _server_class(MetricsHandler.factory(reg))((addr, port))
+        except OSError as exc:
+            raise MetricsPortError(
+                address=addr, port=port, code=exc.errno, reason=exc.strerror or str(exc)
+            ) from exc
         threading.Thread(target=server.serve_forever, name="fastdist-metrics", daemon=True).start()
         bound = int(server.server_port)
         _servers[bound] = server
@@ -159,10 +210,16 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> int:
 
 
 def serve_from_environment() -> int | None:
-    """``FASTDIST_METRICS_PORT`` (plus LOCAL_RANK, so that the ranks of a host differ), if set."""
+    """``FASTDIST_METRICS_PORT`` (plus LOCAL_RANK, so that the ranks of a host differ), if set.
+    A port that cannot be had is a warning, not an error: metrics never stop training."""
     raw = os.environ.get(PORT_ENV, "").strip()
     if not raw:
         return None
     if not raw.isdigit():
         raise ValueError(f"{PORT_ENV} must be a port number, got {raw!r}")
-    return serve_metrics(int(raw) + int(os.environ.get("LOCAL_RANK", "0") or 0))
+    port = int(raw) + int(os.environ.get("LOCAL_RANK", "0") or 0)
+    try:
+        return serve_metrics(port)
+    except MetricsPortError as exc:
+        logger.warning("rank %s: %s; training goes on without metrics", os.environ.get("RANK", "?"), exc)
+        return None

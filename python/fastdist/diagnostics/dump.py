@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import sys
@@ -159,16 +160,57 @@ def write_flight_recorder(root: Path, st: Any, pg: Any, history: list[dict[str, 
     tmp.replace(path)
 
 
+def _dump_problem(rec: Any) -> str | None:
+    """What keeps ``rec`` from being read as a dump (None: nothing), so that rendering trusts it."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    for name, kind in (("group", str), ("generation", int), ("rank", int), ("error", str), ("history", list)):
+        if not isinstance(rec.get(name), kind) or isinstance(rec.get(name), bool):
+            return f"{name} is missing or not a{'n' if kind is int else ''} {kind.__name__}"
+    for op in rec["history"]:
+        if (
+            not isinstance(op, dict)
+            or not isinstance(op.get("seq"), int)
+            or not isinstance(op.get("op"), str)
+        ):
+            return "history holds an entry that is not an op (seq, op)"
+    threads = rec.get("threads", {})
+    if not isinstance(threads, dict) or not all(
+        isinstance(t, dict) and all(isinstance(f, str) for f in t.get("stack") or [])
+        for t in threads.values()
+    ):
+        return "threads is not a map of thread names and stacks"
+    return None
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None after one line on stderr saying why it cannot be read."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = "not text (damaged?)" if isinstance(exc, UnicodeDecodeError) else exc.strerror or str(exc)
+        print(f"skipping {path}: {why}", file=sys.stderr)
+        return None
+
+
 def load(directory: str) -> dict[tuple[str, int], dict[int, dict[str, Any]]]:
-    """Every dump in ``directory``: (group, generation) -> rank -> record."""
+    """Every dump in ``directory``: (group, generation) -> rank -> record. A damaged file (cut
+    short, not JSON, fields of the wrong kind) is skipped with one line on stderr."""
     out: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
     for path in sorted(Path(directory).glob("fastdist-*.json")):
+        text = _read_text(path)
+        if text is None:
+            continue
         try:
-            rec = json.loads(path.read_text())
-            key = (str(rec["group"]), int(rec["generation"]))
-            out.setdefault(key, {})[int(rec["rank"])] = rec
-        except (ValueError, KeyError, TypeError) as exc:
-            print(f"skipping {path}: not a fastdist dump ({exc})", file=sys.stderr)
+            rec = json.loads(text)
+        except ValueError as exc:
+            print(f"skipping {path}: not a fastdist dump (not JSON: {exc})", file=sys.stderr)
+            continue
+        problem = _dump_problem(rec)
+        if problem is not None:
+            print(f"skipping {path}: not a fastdist dump ({problem})", file=sys.stderr)
+            continue
+        out.setdefault((rec["group"], rec["generation"]), {})[rec["rank"]] = rec
     return out
 
 
@@ -209,10 +251,8 @@ def render(dumps: dict[tuple[str, int], dict[int, dict[str, Any]]]) -> str:
         lines.append(
             f"group {group!r}, generation {gen}: dumps from ranks {', '.join(map(str, sorted(ranks)))}"
         )
-        sizes = {rec.get("world_size") for rec in ranks.values()}
-        missing = (
-            sorted(set(range(max(s for s in sizes if isinstance(s, int)))) - set(ranks)) if sizes else []
-        )
+        sizes = [rec["world_size"] for rec in ranks.values() if isinstance(rec.get("world_size"), int)]
+        missing = sorted(set(range(max(sizes))) - set(ranks)) if sizes else []
         if missing:
             lines.append(
                 f"  no dump from ranks {', '.join(map(str, missing))} (never faulted, or could not write)"
@@ -222,8 +262,8 @@ def render(dumps: dict[tuple[str, int], dict[int, dict[str, Any]]]) -> str:
             lines.append(f"  rank {r}: {first}")
             lines.extend(f"    {w.strip()}" for w in where)  # where the others were, from its report
             for o in rec["history"][-_LAST_OPS:]:
-                shape = f" {o['dtype']}{o['shape']}" if o.get("dtype") else ""
-                lines.append(f"    #{o['seq']} {o['op']}{shape} {o['outcome']}")
+                shape = f" {o['dtype']}{o.get('shape')}" if o.get("dtype") else ""
+                lines.append(f"    #{o['seq']} {o['op']}{shape} {o.get('outcome')}")
             main = next((t for t in rec.get("threads", {}).values() if t.get("name") == "MainThread"), None)
             if main and main.get("stack"):
                 lines.append(f"    main thread: {' <- '.join(main['stack'])}")
@@ -231,21 +271,46 @@ def render(dumps: dict[tuple[str, int], dict[int, dict[str, Any]]]) -> str:
     return "\n".join(lines) if lines else "no fastdist dumps found"
 
 
+def _event_problem(rec: Any) -> str | None:
+    """What keeps ``rec`` from being read as an event (None: nothing)."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("event"), str):
+        return "no event"
+    for name in ("time", "detection", "recovery"):
+        value = rec.get(name)
+        if (name == "time" or value is not None) and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ):
+            return f"{name} is not a number of seconds"
+    try:
+        time.localtime(rec["time"])
+    except (OverflowError, OSError, ValueError):
+        return "time is out of range"
+    return None
+
+
 def load_events(paths: list[Path]) -> list[dict[str, Any]]:
-    """The records of ``FASTDIST_EVENTS`` files (one JSON object a line), oldest first."""
+    """The records of ``FASTDIST_EVENTS`` files (one JSON object a line), oldest first. The lines
+    that are not events (cut short by a crash, damaged) are skipped with one line per file."""
     out: list[dict[str, Any]] = []
     for path in paths:
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        text = _read_text(path)
+        if text is None:
+            continue
+        bad: list[int] = []
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-                if isinstance(rec, dict) and "event" in rec and "time" in rec:
-                    out.append(rec)
-                    continue
             except ValueError:
-                pass
-            print(f"skipping {path}:{n}: not a fastdist event", file=sys.stderr)
+                rec = None
+            if _event_problem(rec) is None:
+                out.append(rec)
+            else:
+                bad.append(n)
+        if bad:
+            lines = f"line {bad[0]}" if len(bad) == 1 else f"{len(bad)} lines (the first: line {bad[0]})"
+            print(f"skipping {lines} of {path}: not a fastdist event", file=sys.stderr)
     return sorted(out, key=lambda r: float(r["time"]))
 
 
