@@ -18,7 +18,7 @@ import etcd_server
 import fastdist
 import pytest
 from etcd_server import PASSWORDS
-from fastdist.store.etcd import EtcdAccessError, EtcdSecurity, parse_url, redact, security_of
+from fastdist.store.etcd import EtcdAccessError, EtcdSecurity, parse_url, redact, security_of, tls_failure
 from fastdist.tools.doctor import run_etcd_checks
 
 pytestmark = [
@@ -91,6 +91,46 @@ def test_each_refusal_names_the_part_that_failed(secure: Any, caplog: pytest.Log
         assert words in str(info.value), str(info.value)
         assert "wrong-pw-9" not in str(info.value) and PASSWORDS["guest"] not in str(info.value)
     assert "wrong-pw-9" not in caplog.text and PASSWORDS["guest"] not in caplog.text
+
+
+def test_each_mismatch_between_client_and_server_is_named_for_what_it_is(secure: Any, tmp_path: Path) -> None:
+    """Issue 40: a name the certificate does not list was called an untrusted CA; TLS against a
+    plain server "asked for a client certificate"; plain http against TLS was an untyped "can't be
+    reached". Each is an EtcdAccessError ("certificate") that says what happened."""
+    plain = etcd_server.start(tmp_path)
+    try:
+        job = f"tls-{uuid.uuid4().hex[:8]}"
+        port = secure.member.client_port
+        cases = [
+            # The certificate lists IP:127.0.0.1 only; localhost is another name for the same server.
+            ([f"https://localhost:{port}"], _security(secure), "is trusted but not issued for 'localhost'"),
+            (
+                [f"https://{plain.members[0].endpoint}"],
+                EtcdSecurity(ca=str(secure.ca)),
+                "does not speak TLS (it answers plain http",
+            ),
+            ([f"http://127.0.0.1:{port}"], EtcdSecurity(), "the server speaks TLS (https)"),
+        ]
+        for endpoints, security, words in cases:
+            with pytest.raises(EtcdAccessError) as info:
+                fastdist.EtcdStore(endpoints, job, timeout=5, ttl=5, security=security)
+            assert info.value.part == "certificate", str(info.value)
+            assert words in str(info.value), str(info.value)
+            assert "not trusted" not in str(info.value) and "client certificate" not in str(info.value)
+        # The same words from the client (whether etcd's alert or only the end of the stream
+        # reached it first) say different things about the two servers: asking them tells.
+        eof = "SSLEOFError(8, '[SSL: UNEXPECTED_EOF_WHILE_READING] EOF occurred in violation of protocol')"
+        no_cert = EtcdSecurity(ca=str(secure.ca))
+        assert "asks for a client certificate" in str(tls_failure(eof, no_cert, ("127.0.0.1", port)))
+        assert "does not speak TLS" in str(
+            tls_failure(eof, no_cert, ("127.0.0.1", plain.members[0].client_port))
+        )
+        # The doctor says the same, where it said "accepts connections but is no working etcd".
+        checks = run_etcd_checks(f"etcd://127.0.0.1:{port}/{job}", 5.0)
+        bad = {c.name: c for c in checks}
+        assert bad["certificate"].ok is False and "the server speaks TLS" in bad["certificate"].detail, checks
+    finally:
+        plain.stop()
 
 
 def test_doctor_checks_the_secure_store_and_says_which_part_failed(

@@ -28,6 +28,7 @@ import atexit
 import datetime
 import logging
 import os
+import re
 import threading
 import time
 import urllib.parse
@@ -49,6 +50,9 @@ WATCH_SLICE_SECONDS = 2.0
 # Per HTTP request: connect, then read. A watch stream outlives neither (see WATCH_SLICE_SECONDS).
 CONNECT_SECONDS = 3.0
 READ_SECONDS = 10.0
+# Asking a server that closed a connection without a word which protocol it speaks (connect,
+# then read): only on that failure, never on a working connection.
+PROBE_SECONDS = 2.0
 _FOREVER = 10.0 * 365 * 24 * 3600
 
 T = TypeVar("T")
@@ -349,7 +353,7 @@ class EtcdStore(dist.Store):
             try:
                 out = fn(self._clients[idx])
             except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as exc:
-                tls = tls_failure(_text(exc), self._security)
+                tls = tls_failure(_text(exc), self._security, (host, port))
                 if tls is not None:
                     tls_failures.append(f"{host}:{port}: {tls}")
                 failures.append(f"{host}:{port}: {_short(exc)}")
@@ -692,21 +696,94 @@ def _authenticate(session: Any, url: str, sec: EtcdSecurity, where: str) -> str:
     )
 
 
-def tls_failure(text: str, sec: EtcdSecurity) -> str | None:
-    """What a connection failure says about TLS, in words (None: nothing about TLS)."""
+_MISMATCH = re.compile(r"(?:Hostname|IP address) mismatch, certificate is not valid for '([^']*)'")
+# What a client sees when the server closed the connection without a word: a TLS server does
+# that to a plain request, and a plain server (etcd's) to a TLS handshake.
+_CLOSED = ("EOF occurred in violation of protocol", "SSLEOFError", "Connection aborted", "Connection reset")
+
+
+def tls_failure(text: str, sec: EtcdSecurity, endpoint: tuple[str, int] | None = None) -> str | None:
+    """What a connection failure says about TLS, in words (None: nothing about TLS). Given the
+    ``endpoint``, a connection the server closed without a word is settled by asking the server
+    once what it speaks (:func:`server_protocol`)."""
     if "CERTIFICATE_VERIFY_FAILED" in text:
+        # (OpenSSL checks the name only once the chain is trusted)
+        mismatch = _MISMATCH.search(text)
+        if mismatch:
+            return (
+                f"the server's certificate is trusted but not issued for {mismatch.group(1)!r}: connect by "
+                "a name or address the certificate lists (its subjectAltName)"
+            )
+        if "certificate has expired" in text:
+            return "the server's certificate has expired"
         ca = f"the CA file {sec.ca!r}" if sec.ca else "the system's CAs (give ca=)"
         return f"the server's certificate is not trusted by {ca}"
     if "WRONG_VERSION_NUMBER" in text or "wrong version number" in text:
         return "the server does not speak TLS here: use http (no tls=, ca=)"
-    ended = "EOF occurred in violation of protocol" in text or "SSLEOFError" in text
-    if ended or "certificate required" in text or "bad certificate" in text or "unknown ca" in text:
-        # (a server requiring client certificates ends the handshake of a client without one)
+    refused = "certificate required" in text or "bad certificate" in text or "unknown ca" in text
+    spoken = None
+    if not refused and any(words in text for words in _CLOSED) and endpoint is not None:
+        spoken = server_protocol(*endpoint)
+    if not sec.tls:
+        if spoken is not None and spoken != "http":
+            return (
+                "the server speaks TLS (https), and closed this plain http connection: use https (tls=1, ca=)"
+            )
+        return None
+    if spoken == "http":
+        return (
+            "the server does not speak TLS (it answers plain http, and closed the TLS handshake): use "
+            "http (no tls=, ca=)"
+        )
+    if refused or spoken == "tls-client-cert":
         if sec.cert is None:
-            return "the server asks for a client certificate (it ended the handshake): give cert=, key="
+            return (
+                "the server asks for a client certificate (it refused this client, which has none): give "
+                "cert=, key="
+            )
         return "the server asks for a client certificate and refused this client's (cert=, key=)"
+    if "EOF occurred in violation of protocol" in text or "SSLEOFError" in text:
+        return "the server ended the TLS handshake without saying why"
     if "SSL" in text:
         return "TLS failed: " + text[:160]
+    return None
+
+
+def server_protocol(host: str, port: int, timeout: float = PROBE_SECONDS) -> str | None:
+    """What the server at ``host:port`` speaks, asked once: ``"http"`` (plain), ``"tls"``,
+    ``"tls-client-cert"`` (TLS, and it refuses a client without a certificate), or None (no
+    clear answer). A TLS handshake and a request first (no certificate is checked or sent: only
+    the answer counts), then a plain request."""
+    import socket
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    request = f"GET /version HTTP/1.0\r\nHost: {host}\r\n\r\n".encode()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            try:
+                with ctx.wrap_socket(raw, server_hostname=host) as tls:
+                    # (TLS 1.3: a server that wants a certificate says so after the handshake)
+                    tls.sendall(request)
+                    tls.recv(256)
+                    return "tls"
+            except ssl.SSLError as exc:
+                words = str(exc).lower()
+                if "certificate required" in words or "bad certificate" in words:
+                    return "tls-client-cert"
+                if "alert" in words:
+                    return "tls"
+            except OSError:
+                pass  # closed or reset: not TLS, or not answering at all
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            raw.sendall(request)
+            reply = raw.recv(256)
+    except OSError:
+        return None
+    if reply.startswith(b"HTTP/"):  # (a TLS server may answer a plain request so, in words)
+        return "tls" if b"HTTPS server" in reply else "http"
     return None
 
 

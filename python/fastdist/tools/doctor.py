@@ -227,7 +227,7 @@ def run_etcd_checks(url: str, timeout: float) -> list[Check]:
             try:
                 client.get(f"/fastdist/{job}/__doctor__")
             except (ex.ConnectionFailedError, ex.ConnectionTimeoutError) as exc:
-                tls = tls_failure(str(getattr(exc, "detail_text", None) or exc), sec)
+                tls = tls_failure(str(getattr(exc, "detail_text", None) or exc), sec, (host, port))
                 if tls is None:
                     raise
                 raise EtcdAccessError("certificate", f"{where}: {tls}") from None
