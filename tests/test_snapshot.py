@@ -11,6 +11,8 @@ roll back to, and the checks at the API's edge, the memory refusal included."""
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -187,6 +189,16 @@ def test_peer_snapshot_checks_its_arguments() -> None:
         fastdist.PeerSnapshot({}, every=2.5)
     with pytest.raises(ValueError, match="copies"):
         fastdist.PeerSnapshot({}, every=2, copies=0)
+    # A timeout is checked here, not at the first snapshot (whose exchange runs in a thread).
+    for bad, words in (
+        (-1, "must be positive, got -1.0"),
+        (0, "must be positive, got 0.0"),
+        (math.nan, "must not be NaN, got nan"),
+    ):
+        with pytest.raises(ValueError, match=f"^timeout {re.escape(words)}"):
+            fastdist.PeerSnapshot({}, every=2, timeout=bad)
+    with pytest.raises(TypeError, match="^timeout must be a number of seconds"):
+        fastdist.PeerSnapshot({}, every=2, timeout="5")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="init_process_group"):
         fastdist.PeerSnapshot({}, every=2)
     with pytest.raises(TypeError, match="snapshot"):

@@ -390,6 +390,15 @@ class RendezvousTimeout:
 TimeoutLike = Union[float, int, datetime.timedelta, RendezvousTimeout, DeadlineScope, None]
 
 
+def check_timeout(timeout: object) -> None:
+    """Refuses a bad ``timeout=`` as :func:`resolve_deadline` would, without starting its
+    countdown (a RendezvousTimeout's starts when it is first resolved): for a call that may
+    return before it needs a deadline, so that a bad value fails on every call alike."""
+    if timeout is None or isinstance(timeout, (RendezvousTimeout, DeadlineScope)):
+        return
+    validate_seconds(timeout, "timeout", deadline_objects=True)
+
+
 def resolve_deadline(timeout: object, now: float) -> float:
     """The absolute deadline for a call starting at ``now`` given its ``timeout=`` argument,
     before enclosing scopes are applied. Raises ``TypeError``/``ValueError`` for bad input."""

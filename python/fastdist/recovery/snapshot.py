@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..deadlines import current_time, fail_at, get_default_timeout
+from ..deadlines import current_time, fail_at, get_default_timeout, validate_seconds
 from . import state_sync
 
 _SHARD = "__fastdist_shard__"
@@ -275,13 +275,15 @@ class PeerSnapshot:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
+        # Here, not at the first exchange, which runs in a thread and only logs its failure.
+        seconds = get_default_timeout() if timeout is None else validate_seconds(timeout, "timeout")
         if not dist.is_initialized():
             raise RuntimeError("PeerSnapshot needs the default group: call fastdist.init_process_group first")
         world = dist.get_world_size()
         if copies >= world:
             raise ValueError(f"copies must be < the world size ({world}), got {copies}")
         self.every, self.copies, self.world, self.rank = every, copies, world, dist.get_rank()
-        self.timeout = get_default_timeout() if timeout is None else float(timeout)
+        self.timeout = seconds
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         self.holders = {r: holders(r, world, copies, local) for r in range(world)}
         self.keeps = [r for r in range(world) if self.rank in self.holders[r]]  # whose copies I hold
