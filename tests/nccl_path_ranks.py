@@ -74,8 +74,8 @@ def fake_nccl_logic(ctx) -> None:
         fastdist.all_reduce(t, timeout=5)
     except GroupAbortedError:
         ctx.record("refused")
+    fake_nccl.configure(delay=0.0)  # the "GPU" runs again (the stalled op was aborted)
     new = fastdist.recover(timeout=5)
-    fake_nccl.configure(delay=0.0)
     t = torch.tensor([3.0])
     fastdist.all_reduce(t, timeout=5)
     ctx.record("recovered", value=t.item(), new_group=new is not None, dead=fastdist.is_dead())
@@ -91,6 +91,7 @@ def fake_nccl_logic(ctx) -> None:
         dead=fastdist.is_dead(),
         aborted=fake_nccl.aborts(),
     )
+    fake_nccl.configure(delay=0.0)
     fastdist.recover(timeout=5)
     # Finally, an abort that hangs: the caller still raises at its deadline, and the abort's own
     # deadline (FASTDIST_ABORT_TIMEOUT=0.5 in this run) ends the process while recover() waits.
@@ -159,8 +160,8 @@ def nccl_double_contract(ctx) -> None:
         ctx.record("no_timeout")
     except CollectiveTimeoutError as e:
         ctx.record("sync_timeout", elapsed=time.monotonic() - t0, message=str(e))
-    fastdist.recover(timeout=5)
     fake_nccl.configure(delay=0.0)
+    fastdist.recover(timeout=5)
     w = dist.all_reduce(t, async_op=True)
     # The group aborted before recovery: none of the new group's ops is taken for cut short.
     ctx.record("after_recovery", ok=w.wait(), error=w.exception() is None)

@@ -107,6 +107,25 @@ def test_the_nccl_path_replaces_a_dead_worker_too(reference: Path, tmp_path: Pat
     assert compare(str(reference), str(tmp_path / "killed"), 3) <= 1e-6
 
 
+def test_on_the_nccl_path_the_live_ranks_hear_of_a_death_from_the_launcher(tmp_path: Path) -> None:
+    """A death NCCL does not notice (the double's kernel spins): the launcher's notice ends the
+    live ranks' all_reduce at once, naming the dead rank, well before their 20 s deadline; the
+    replacement joins and the three go on."""
+    rc, log = _launch(
+        tmp_path / "death",
+        "--nproc-per-node",
+        "3",
+        target=(str(ROOT / "tests" / "nccl_double_death.py"),),
+    )
+    assert rc == 0, log
+    for r in (0, 2):
+        line = log.split(f"rank {r}: raised after ", 1)[1].splitlines()[0]
+        assert float(line.split(" s:", 1)[0]) < 3.0, line  # not the 20 s deadline
+        assert "rank 1 is dead (exit by SIGKILL)" in line, line
+    assert "rank 1: joined at count 3" in log, log
+    assert log.count("done, sum 3, count 3") == 3, log
+
+
 def test_a_waiting_spare_takes_the_dead_rank(reference: Path, tmp_path: Path) -> None:
     rc, log = _launch(
         tmp_path / "spare",

@@ -117,18 +117,20 @@ class DoubleWork : public c10d::Work {
     for (const auto& m : moved_) {
       if (!m->done.load()) return false;
     }
-    for (const auto& m : moved_) {
-      std::lock_guard<std::mutex> mlk(m->mu);
-      if (m->error) {
-        error_ = m->error;  // an NCCL async error (a peer that died): completed, with the error
-        return done_ = true;
-      }
-    }
+    // A stalled "kernel" (delay) hides even an error: NCCL notices a dead peer only through
+    // its own checks, if ever (a kernel spins until the communicator is aborted).
     if (ready_at_ < 0) {
       const double d = NcclDouble::delay().load();
       ready_at_ = std::isfinite(d) ? now_seconds() + d : std::numeric_limits<double>::infinity();
     }
     if (now_seconds() < ready_at_) return false;
+    for (const auto& m : moved_) {
+      std::lock_guard<std::mutex> mlk(m->mu);
+      if (m->error) {
+        error_ = m->error;  // an NCCL async error (a peer that died): completed, with the error
+        break;
+      }
+    }
     return done_ = true;
   }
 

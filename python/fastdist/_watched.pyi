@@ -1,6 +1,6 @@
 """Stub for fastdist's watched-group module (csrc/watched/). Times are seconds on the engine clock."""
 
-from typing import Any, ClassVar, Callable
+from typing import Any, Callable, ClassVar
 
 from torch._C._distributed_c10d import Backend
 

@@ -134,7 +134,7 @@ def init_process_group(
         if agent:
             # torchrun's agent keeps its store across restarts of the worker group: torch's own keys
             # (gloo's addresses) of the last attempt must not be read by this one.
-            store = dist.PrefixStore(keys.key("pg") + "/", store)
+            store = dist.PrefixStore(keys.pg_prefix(), store)
         store_seconds = td.total_seconds() if td is not None else 300.0
 
         def reconnect() -> Any:
@@ -143,7 +143,7 @@ def init_process_group(
             key written through the original at init."""
             fresh: Any = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=store_seconds))
             if agent:
-                fresh = dist.PrefixStore(keys.key("pg") + "/", fresh)
+                fresh = dist.PrefixStore(keys.pg_prefix(), fresh)
             fresh = dist.PrefixStore(f"{lineage['group_name']}/", fresh)
             if not fresh.check([LINEAGE_PROBE]):
                 raise RuntimeError("a new connection to the store does not see the job's keys")
@@ -222,6 +222,8 @@ def init_process_group(
         return
     if job_store is not None:
         _all_started(job_store, dist.get_world_size(), td)
+        if dist.get_rank() == 0 and keys.agent_hosts_store():
+            job_store.set(job.inboxes_key(), dist.distributed_c10d._get_default_group().group_name)
         job.mark_running(job_store)
     listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
 

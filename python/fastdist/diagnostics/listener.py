@@ -118,6 +118,11 @@ class _Listener(threading.Thread):
                 continue
             if rec["kind"] == "exit":
                 return
+            if rec["kind"] == "death":
+                death = keys.parse_record(raw, _DEATH_FIELDS)
+                if death is not None:
+                    _handle_death(death)
+                continue
             fault = keys.parse_record(raw, _FAULT_FIELDS)
             if fault is None:
                 continue
@@ -130,6 +135,33 @@ class _Listener(threading.Thread):
             finally:
                 if poster is conn:
                     conn.set_timeout(_FOREVER)
+
+
+def _handle_death(death: dict[str, Any]) -> None:
+    """``fastdist run``'s agent saw rank ``death["rank"]`` die (its record: how, when). On an
+    NCCL-like group that holds it, the collectives in flight may never end on their own (a kernel
+    spins until the deadline): they fail now with the record, and the communicators are aborted
+    (fastdist.ops.watching); with none in flight the group is marked dead, so the next op is
+    refused at once. gloo's groups learn it from their closed connections: left alone. A group
+    whose generation began after the death (rebuilt since, or this process is the dead rank's
+    replacement) is left alone too."""
+    dead = death["rank"]
+    said = f"rank {dead} is dead ({death['how']})"
+    for pg in registry.watched_groups():
+        st = pgstate.state_of(pg)
+        ranks = st.global_ranks or []
+        if not st.polled or dead not in ranks or dead == st.my_global_rank or st.began > death["time"]:
+            continue
+        reason = f"{said}: fastdist run's record"
+        detail = json.dumps({"rank": ranks.index(dead), "op": "", "seq": 0, "state": "dead", "dead": said})
+        failed = False
+        for b in registry.backends_of(pg):
+            failed = b.fail_remote(detail, reason) or failed
+        if not failed:
+            pgstate.mark_dead(pg, reason)
+
+
+_DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
 
 
 # The fault records handled: a rank can be rung twice with one (its ringer rings the ranks whose

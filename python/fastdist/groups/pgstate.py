@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,7 @@ class GroupState:
         "__weakref__",
         "_generation",
         "backend",
+        "began",
         "checks_seq",
         "ctl",
         "global_ranks",
@@ -77,6 +79,8 @@ class GroupState:
         # fastdist's cross-rank checks number a watched group's checked calls apart from its ops.
         self.checks_seq = 0
         self._generation = _generations.get(self.name, 0)
+        # When this generation began (time.time()): a death recorded before it is not news to it.
+        self.began = time.time()
         self.backend = backend_name(pg)
         # NCCL-like: works must be polled for completion, and aborted at the deadline.
         self.polled = self.backend in POLLED_BACKENDS
@@ -100,6 +104,7 @@ class GroupState:
     @generation.setter
     def generation(self, value: int) -> None:
         self._generation = value
+        self.began = time.time()
         _generation_began(self)
 
     def begin(self, op: str) -> int:

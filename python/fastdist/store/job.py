@@ -28,6 +28,12 @@ def dead_key(rank: int) -> str:
     return keys.key("dead", rank)
 
 
+def inboxes_key() -> str:
+    """The name of the workers' default group, under whose store prefix their fault inboxes are
+    (the launcher puts death notices there)."""
+    return keys.key("inboxes")
+
+
 def deaths_key() -> str:
     """Every death the launcher saw, one JSON record a line (rank, how, pid, time)."""
     return keys.key("deaths")

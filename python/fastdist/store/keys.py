@@ -28,6 +28,13 @@ def key(*parts: object) -> str:
     return "/".join((ROOT, *map(str, parts)))
 
 
+def pg_prefix() -> str:
+    """The prefix of the workers' store under a torchrun (or ``fastdist run``) agent: their groups'
+    keys and fastdist's keys through the default store (the fault inboxes among them) sit under it,
+    apart from the agent's own."""
+    return key("pg") + "/"
+
+
 def agent_hosts_store() -> bool:
     """Whether a torchrun agent hosts the store on MASTER_PORT, so that every worker, rank 0
     included, must connect to it as a client (torch's env:// handler does the same)."""

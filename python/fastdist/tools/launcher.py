@@ -35,13 +35,14 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 from unittest import mock
 
-from torch.distributed import DistNetworkError, TCPStore
+from torch.distributed import DistNetworkError, PrefixStore, TCPStore
 from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import start_processes
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ..store import job
+from ..diagnostics import ring
+from ..store import job, keys
 from . import nodes
 
 logger = logging.getLogger(__name__)
@@ -248,6 +249,28 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
         return RunResult(state=WorkerState.HEALTHY)
 
+    def _tell_the_living(self, worker_group: WorkerGroup, store: Any, record: dict[str, Any]) -> None:
+        """Puts the death in every other rank's fault inbox (fastdist.diagnostics.listener): on
+        NCCL a peer's death may never end the collective the live ranks are in (a kernel spins
+        until the deadline), so they hear it from here, at once. (gloo's ops fail as soon as the
+        dead rank's connections close; its groups ignore this.)"""
+        world = (worker_group.workers[0].world_size if worker_group.workers else 0) - self._spares
+        notice = json.dumps({"kind": "death", **record})
+        try:
+            if not store.check([job.inboxes_key()]):
+                return  # the job had not started (its default group's name is written then)
+            # Where the workers' listeners wait: their default store, torch's group prefix under
+            # fastdist's (fastdist.process_group).
+            group = bytes(store.get(job.inboxes_key())).decode()
+            inboxes = PrefixStore(f"{group}/", PrefixStore(keys.pg_prefix(), store))
+            for r in range(world):
+                if r != record["rank"]:
+                    ring.deliver(inboxes, r, notice)
+        except Exception as exc:  # noqa: BLE001 - the store is failing: the ranks' deadlines still hold
+            logger.warning(
+                "fastdist run: could not tell the live ranks of rank %s's death: %r", record["rank"], exc
+            )
+
     def _replace(self, worker_group: WorkerGroup, lr: int, failure: Any) -> RunResult | None:
         """A worker died: give its rank to a spare or a new process; a RunResult ends the job."""
         store = self._job_store(worker_group)
@@ -260,6 +283,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         record = {"rank": rank, "how": how, "pid": failure.pid, "time": time.time()}
         store.set(job.dead_key(rank), json.dumps(record))
         store.append(job.deaths_key(), json.dumps(record) + "\n")
+        self._tell_the_living(worker_group, store, record)
         self._say(f"rank {rank} (local rank {lr}, pid {failure.pid}) died: {how}")
         if self._idle_spares:
             spare = min(self._idle_spares)
