@@ -312,6 +312,24 @@ c10::intrusive_ptr<c10d::Work> NcclDouble::alltoall_base(at::Tensor& output, at:
   return enqueue(c10d::OpType::ALLTOALL_BASE,
                  comm_->transport->alltoall_base(output, input, out_splits, in_splits, o), {output}, async_of(o, 0));
 }
+c10::intrusive_ptr<c10d::Work> NcclDouble::allreduce_sparse(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) {
+  return enqueue(c10d::OpType::ALLREDUCE, comm_->transport->allreduce_sparse(t, o), t, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                               std::vector<at::Tensor>& inputs,
+                                                               const c10d::AllgatherOptions& o) {
+  std::vector<at::Tensor> out;
+  for (auto& slots : outputs) out.insert(out.end(), slots.begin(), slots.end());
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, comm_->transport->allgather_coalesced(outputs, inputs, o),
+                 std::move(out), async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                    const c10d::AllToAllOptions& o) {
+  return enqueue(c10d::OpType::ALLTOALL, comm_->transport->alltoall(outputs, inputs, o), outputs, async_of(o, 0));
+}
+c10::intrusive_ptr<c10d::Work> NcclDouble::recvAnysource(std::vector<at::Tensor>& t, int tag) {
+  return enqueue(c10d::OpType::RECVANYSOURCE, comm_->transport->recvAnysource(t, tag), t, true);
+}
 c10::intrusive_ptr<c10d::Work> NcclDouble::barrier(const c10d::BarrierOptions& o) {
   // ProcessGroupNCCL's barrier: a synchronous one blocks the host on the stream itself and hands
   // back no work; an asynchronous one's work blocks the host in its wait().
