@@ -38,12 +38,19 @@ def test_reaping_cost(benchmark, backend: str) -> None:
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
+def _gpu_record(benchmark, scenario, event: str, world: int = 1, **kwargs) -> dict:
+    """Runs a GPU benchmark scenario; its record, kept in the benchmark's JSON."""
+    results = run_ranks(scenario, world, **kwargs)
+    assert results[0].returncode == 0, describe(results)
+    rec = results[0].record(event)
+    benchmark.extra_info.update(rec)
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    return rec
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_all_reduce_overhead(benchmark) -> None:
-    results = run_ranks(ranks.gpu_bench, 1, timeout=240)
-    assert results[0].returncode == 0, describe(results)
-    rec = results[0].record("gpu_bench")
-    benchmark.extra_info.update(rec)
+    rec = _gpu_record(benchmark, ranks.gpu_bench, "gpu_bench", timeout=240)
     for k in ("1", "1mb"):
         print(
             f"\nNCCL all_reduce {k}: raw+sync {rec[k]['raw_sync_us']:.1f} us, fastdist "
@@ -54,28 +61,21 @@ def test_gpu_all_reduce_overhead(benchmark) -> None:
         f"\nNCCL async all_reduce, issue cost: raw {a['raw_us']:.1f} us, "
         f"fastdist {a['fastdist_us']:.1f} us, ratio {a['ratio']:.3f}"
     )
-    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_torch_ops_on_a_watched_group(benchmark) -> None:
-    results = run_ranks(ranks.gpu_torch_ops_bench, 1, timeout=280)
-    assert results[0].returncode == 0, describe(results)
-    rec = results[0].record("gpu_torch_ops")
-    benchmark.extra_info.update(rec)
+    rec = _gpu_record(benchmark, ranks.gpu_torch_ops_bench, "gpu_torch_ops", timeout=280)
     for k, v in rec.items():
         if isinstance(v, dict):
             print(f"\nwatched/plain NCCL {k}: {v}")
-    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_abort_with_a_kernel_in_flight(benchmark) -> None:
     from gpu.nccl_gpu_ranks import SHARED_GPU_ENV
 
-    results = run_ranks(ranks.gpu_abort_bench, 2, absent=(1,), env=SHARED_GPU_ENV, timeout=120)
-    assert results[0].returncode == 0, describe(results)
-    rec = results[0].record("abort")
-    benchmark.extra_info.update(rec)
+    rec = _gpu_record(
+        benchmark, ranks.gpu_abort_bench, "abort", world=2, absent=(1,), env=SHARED_GPU_ENV, timeout=120
+    )
     print(f"\nNCCL abort with a kernel in flight: {rec}")
-    benchmark.pedantic(lambda: None, rounds=1, iterations=1)

@@ -39,9 +39,15 @@ class Context:
         import torch.distributed as dist
 
         # A watched group, as fastdist.init_process_group makes it: every op on it is bounded.
+        # FASTDIST_TEST_BACKEND=nccl_double: on the CPU double of NCCL (tests/fake_nccl.py).
+        backend = os.environ.get("FASTDIST_TEST_BACKEND", "gloo")
+        if backend != "gloo":
+            import fake_nccl
+
+            fake_nccl.register()
         prefix = dist.PrefixStore("pg", self.store)
         fastdist.init_process_group(
-            "gloo", store=prefix, rank=self.rank, world_size=self.world_size, timeout=60
+            backend, store=prefix, rank=self.rank, world_size=self.world_size, timeout=60
         )
 
     def wait_release(self) -> None:
