@@ -138,7 +138,8 @@ def test_a_waiting_spare_takes_the_dead_rank(reference: Path, tmp_path: Path) ->
     assert rc == 0, log
     assert "rank 1 goes to a waiting spare (local rank 3)" in log, log
     assert "replacement started" not in log, log  # no process started after the fault
-    assert "rank 1: joined the running job at step 5" in log, log
+    # Launched as RANK=3, the spare's environment names the rank it took, as get_rank() does.
+    assert "rank 1: joined the running job at step 5 (RANK=1)" in log, log
     assert compare(str(reference), str(tmp_path / "spare"), 3) <= 1e-6
 
 
@@ -155,6 +156,28 @@ def test_the_job_ends_non_zero_with_its_story_when_no_replacement_is_left(tmp_pa
     assert "rank 1 (local rank 1" in log and "died: exit by SIGKILL" in log, log
     assert "no replacement left" in log, log
     assert "what happened:" in log, log
+
+
+def test_an_error_every_rank_hits_ends_the_job_once_without_replacements(tmp_path: Path) -> None:
+    """The script's own bug (tests/replace_script_error.py raises on every rank at step 3) is not a
+    dead worker: no process is replaced, the job ends non-zero in seconds (not after the
+    replacements are spent), and the traceback is shown once, as the root cause."""
+    t0 = time.monotonic()
+    rc, log = _launch(
+        tmp_path / "bug", "--nproc-per-node", "3", target=(str(ROOT / "tests" / "replace_script_error.py"),)
+    )
+    took = time.monotonic() - t0
+    assert rc != 0, log
+    assert "replacement started" not in log, log
+    assert "the script's own error, not a dead worker: no replacement; stopping the job" in log, log
+    assert log.count("RuntimeError: the script's own bug at step 3") == 1, log
+    root = log.split("[fastdist run] root cause: rank ", 1)[1]
+    assert "Traceback (most recent call last):" in root.split("RuntimeError: the script's own bug", 1)[0], log
+    assert log.count("root cause") == 2, log  # the traceback's title and the last line's pointer
+    assert "To enable traceback see" not in log, log
+    # Launcher and workers start in about 10 s here (each imports torch); the replacements this
+    # replaces took as much again each, with three tracebacks per round.
+    assert took < 60, (took, log)
 
 
 def test_fsdp2_shards_of_a_dead_rank_are_refused_on_both_sides(tmp_path: Path) -> None:

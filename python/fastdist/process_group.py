@@ -18,7 +18,7 @@ from . import (
     shutdown,  # noqa: F401  (the exit hook: registered with the first import of fastdist)
 )
 from .deadlines import RendezvousTimeout, validate_seconds
-from .diagnostics import board, listener
+from .diagnostics import board, listener, uncaught
 from .groups import pgstate
 from .ops import watching
 from .recovery import growing, joining, wrappers
@@ -91,6 +91,7 @@ def init_process_group(
         )
     n_spares = joining.spares_arg(spares)
     job.die_with_agent()
+    uncaught.record_uncaught()
     configure_nccl_error_handling(backend)
     lineage["reconnect"] = None
     target = _tcp_target(init_method, store)
@@ -175,6 +176,11 @@ def init_process_group(
         if rank >= world_size:
             logger.info("launch rank %d: a spare, waiting for a dead rank's place", rank)
             rank = joining.wait_for_vacancy(job_store, rank)
+            # Scripts and frameworks that read RANK see the rank this process now holds (its
+            # launch rank was a spare's); LOCAL_RANK, its device, stays.
+            os.environ["RANK"] = str(rank)
+            if "ROLE_RANK" in os.environ:
+                os.environ["ROLE_RANK"] = str(rank)
             joiner = True
         elif not lineage.get("started"):  # a process that made its groups before is no joiner
             joiner = job.job_running(job_store)

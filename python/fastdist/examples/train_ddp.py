@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     events = Events(args.events, rank)
     resumed = False
     if fastdist.sync_state(state):  # False on a first start; a joiner loads the live ranks' state
-        print(f"rank {rank}: joined the running job at step {progress.step}", flush=True)
+        print(
+            f"rank {rank}: joined the running job at step {progress.step} (RANK={os.environ.get('RANK')})",
+            flush=True,
+        )
         events("joined", step=progress.step)
         resumed = True
     checkpoint = Checkpoint(args.checkpoint_dir, model, opt, progress) if args.checkpoint_dir else None

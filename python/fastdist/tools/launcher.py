@@ -9,7 +9,12 @@ its own, which the agent writes) or starts one replacement process with the same
 LOCAL_RANK and device. The live workers are in ``fastdist.recover(state=...)`` meanwhile, and the
 newcomer joins them there (see fastdist.recovery.joining). When ``--max-replacements`` is spent, the
 next death ends the job as torchrun would, non-zero, and the log tells every death and what was
-done about it. With several nodes (``--nnodes``, c10d rendezvous), an agent started while the
+done about it. A worker that ends with an exception (an exit code, not a signal) is not a dead
+worker when other ranks end the same way within a few seconds, or when its rank's replacement
+ends as it did: that is the script's own error, and a replacement would only hit it again. The
+job then ends at once, non-zero, with the first traceback shown once as the root cause (each
+worker writes its uncaught exception to its error file rather than stderr:
+fastdist.diagnostics.uncaught). With several nodes (``--nnodes``, c10d rendezvous), an agent started while the
 job runs takes the place of a node whose agent is gone (see fastdist.tools.nodes).
 
 Everything else is torchrun's: its flags (``torch.distributed.run``'s parser), its rendezvous
@@ -32,6 +37,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 from unittest import mock
 
@@ -46,6 +52,52 @@ from ..store import job, keys
 from . import nodes
 
 logger = logging.getLogger(__name__)
+
+# How long a worker that ended with an exception waits for its replacement, in case other ranks
+# end the same way (the script's own error: no replacement then). Ranks that raise at the same
+# step end within about a second of each other, interpreter teardown on a loaded 2-core machine
+# included; a real death's replacement is delayed by this much, a SIGKILLed worker's not at all.
+SAME_ERROR_WINDOW = 3.0
+
+
+@dataclass
+class _Raised:
+    """A worker that ended with an exception, its replacement not yet decided."""
+
+    seen: float  # time.monotonic() when the agent saw it end
+    local_rank: int
+    rank: int
+    failure: Any  # torch's ProcessFailure
+
+
+def error_line(failure: Any) -> str:
+    """The exception's line (``ValueError: ...``) from the worker's error file, else torch's
+    message (a signal's name, or where to read about tracebacks). torch leaves ``message`` as the
+    file's whole record when the file is in ``@record``'s format."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    return str(message)
+
+
+def _error_of(failure: Any) -> tuple[int, str]:
+    """What tells two exception exits apart: the exit code and the exception's line (not the
+    time, which the error file's record carries too)."""
+    return failure.exitcode, error_line(failure)
+
+
+def traceback_of(failure: Any) -> str | None:
+    """The worker's traceback from its error file (``@record``'s or fastdist's), else None: the
+    worker wrote no file and printed whatever it had itself."""
+    data = failure.error_file_data.get("message")
+    if isinstance(data, dict):
+        stack = data.get("extraInfo", {}).get("py_callstack")
+        if isinstance(stack, str) and stack.strip():
+            return stack.rstrip("\n")
+        data = data.get("message")
+    if isinstance(data, str) and data and data != "<NONE>":
+        return data
+    return None
 
 
 class _PerStartLogs(LogsSpecs):
@@ -104,7 +156,10 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._spares = spares
         self._ended_spares = False
         self._job_client: Any = None
+        self._raised: list[_Raised] = []  # exception exits waiting for SAME_ERROR_WINDOW
+        self._replaced_errors: dict[int, tuple[int, str]] = {}  # rank -> its last replaced one
         self.story: list[str] = []
+        self.showed_root_cause = False
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -236,6 +291,8 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             verdict = self._replace(worker_group, lr, failure)
             if verdict is not None:
                 return verdict
+        if self._raised:
+            return self._settle_raised(worker_group) or RunResult(state=WorkerState.HEALTHY)
         running = [lr for lr in self._contexts if self._contexts[lr].wait(0) is None]
         serving = [lr for lr in running if lr not in self._idle_spares]
         if not serving:
@@ -272,7 +329,9 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             )
 
     def _replace(self, worker_group: WorkerGroup, lr: int, failure: Any) -> RunResult | None:
-        """A worker died: give its rank to a spare or a new process; a RunResult ends the job."""
+        """A worker died: recorded and told, then its rank given to a spare or a new process (an
+        exception exit first waits to be told from the script's own error); a RunResult ends
+        the job."""
         store = self._job_store(worker_group)
         how = describe_exit(failure.exitcode)
         if lr in self._idle_spares:
@@ -285,6 +344,58 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         store.append(job.deaths_key(), json.dumps(record) + "\n")
         self._tell_the_living(worker_group, store, record)
         self._say(f"rank {rank} (local rank {lr}, pid {failure.pid}) died: {how}")
+        if failure.exitcode > 0:  # an exception: perhaps the script's own error (_settle_raised)
+            self._raised.append(_Raised(time.monotonic(), lr, rank, failure))
+            if self._replaced_errors.get(rank) == _error_of(failure):
+                return self._script_error(worker_group, f"as the process it replaced did ({how})")
+            return None
+        return self._give_rank(worker_group, lr, rank, failure)
+
+    def _settle_raised(self, worker_group: WorkerGroup) -> RunResult | None:
+        """Exception exits: several within SAME_ERROR_WINDOW are the script's own error; one
+        alone, once the window has passed, is a dead worker, replaced."""
+        if len(self._raised) > 1:
+            return self._script_error(worker_group, f"within {SAME_ERROR_WINDOW:.0f} s of each other")
+        alone = self._raised[0]
+        if time.monotonic() - alone.seen < SAME_ERROR_WINDOW:
+            return None
+        self._raised.clear()
+        self._replaced_errors[alone.rank] = _error_of(alone.failure)
+        self._show_error(f"rank {alone.rank}'s error (pid {alone.failure.pid})", alone.failure)
+        return self._give_rank(worker_group, alone.local_rank, alone.rank, alone.failure)
+
+    def _script_error(self, worker_group: WorkerGroup, why: str) -> RunResult:
+        """Ends the job on the script's own error: every worker stopped, no replacement, the
+        first traceback shown once as the root cause and the other ranks' errors in a line each."""
+        raised, self._raised = self._raised, []
+        ranks = ", ".join(str(r.rank) for r in raised)
+        self._say(
+            f"rank{'s' if len(raised) > 1 else ''} {ranks} ended with an exception {why}: the "
+            "script's own error, not a dead worker: no replacement; stopping the job"
+        )
+        self._stop_workers(worker_group)
+        root = raised[0]
+        self._show_error(f"root cause: rank {root.rank} (pid {root.failure.pid})", root.failure)
+        for other in raised[1:]:
+            same = _error_of(other.failure) == _error_of(root.failure)
+            what = "the same error" if same else error_line(other.failure)
+            if traceback_of(other.failure) is None:
+                what = describe_exit(other.failure.exitcode) + " (its output above says why)"
+            print(f"[fastdist run] rank {other.rank} (pid {other.failure.pid}): {what}", file=sys.stderr)
+        self.showed_root_cause = True
+        return RunResult(state=WorkerState.FAILED, failures={r.rank: r.failure for r in raised})
+
+    def _show_error(self, title: str, failure: Any) -> None:
+        """The traceback a worker wrote to its error file (it printed none), once, on stderr."""
+        text = traceback_of(failure)
+        if text is None:
+            text = f"{describe_exit(failure.exitcode)}: no error file; its output above says why"
+        print(f"[fastdist run] {title}:\n{text}", file=sys.stderr, flush=True)
+
+    def _give_rank(self, worker_group: WorkerGroup, lr: int, rank: int, failure: Any) -> RunResult | None:
+        """The dead ``rank`` (its process was local rank ``lr``) to a spare or a new process; a
+        RunResult ends the job."""
+        store = self._job_store(worker_group)
         if self._idle_spares:
             spare = min(self._idle_spares)
             self._idle_spares.discard(spare)
@@ -462,7 +573,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with mock.patch.object(launcher_api, "LocalElasticAgent", make_agent):
             torchrun.run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as exc:
-        print(f"[fastdist run] the job failed: {exc.get_first_failure()[1].message or exc}", file=sys.stderr)
+        why = error_line(exc.get_first_failure()[1]) or exc
+        if any(agent.showed_root_cause for agent in agents):
+            why = "the script's own error (root cause above)"
+        print(f"[fastdist run] the job failed: {why}", file=sys.stderr)
         return 1
     except DistNetworkError as exc:
         # Taken between check_args and the store's bind (torch says so in a traceback).
