@@ -208,15 +208,58 @@ def test_strategy_arguments_and_both_lightning_packages() -> None:
 @pytest.mark.timeout(60)
 def test_spares_are_refused_before_lightning_splits_the_data(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under fastdist run --spares, WORLD_SIZE counts the spares; Lightning would shard the data
-    for ranks that do not train. Every strategy refuses it before making the group."""
+    for ranks that do not train. Every strategy refuses it when it is made, before the group."""
     import fastdist.lightning as fl
 
+    strategies = (fl.DDPStrategy(), fl.FabricDDPStrategy())
     monkeypatch.setenv("FASTDIST_SPARES", "1")
     before = torch.distributed.is_initialized()
-    for strategy in (fl.DDPStrategy(), fl.FabricDDPStrategy()):
-        with pytest.raises(ValueError, match=r"FASTDIST_SPARES=1 \(fastdist run --spares\) is not supported"):
+    refused = r"FASTDIST_SPARES=1 \(fastdist run --spares\) is not supported"
+    for make in (fl.DDPStrategy, fl.FabricDDPStrategy, fl.ModelParallelStrategy):
+        with pytest.raises(ValueError, match=refused):
+            make()
+    for strategy in strategies:  # made before the variable was set: set-up refuses it still
+        with pytest.raises(ValueError, match=refused):
             fl._init_watched_group(strategy)
     assert torch.distributed.is_initialized() == before  # no group made by the refusal
+
+
+@pytest.mark.timeout(120)
+def test_spares_under_fastdist_run_end_the_job_once_without_replacements(tmp_path: Path) -> None:
+    """The same refusal in a real job (fastdist run --nproc-per-node 4 --spares 1): every worker
+    raises it when it makes the strategy; fastdist run takes that for the script's own error and
+    ends the job non-zero, the refusal shown once, no worker replaced."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = _fastdist_run("lightning_job.py", out, "--kill")
+    cmd[cmd.index("--nproc-per-node") + 1 : cmd.index("--nproc-per-node") + 2] = ["4", "--spares", "1"]
+    code, text = run_session(cmd, 100)
+    assert code is not None and code != 0, text[-5000:]
+    assert not _replacements(text), text[-5000:]
+    assert text.count("FASTDIST_SPARES=1 (fastdist run --spares) is not supported") == 1, text[-5000:]
+    assert "the script's own error, not a dead worker: no replacement" in text, text[-5000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_accelerate_cpu_launch_is_refused_naming_fastdist_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``accelerate launch --cpu --num_processes 3`` starts one process with MASTER_ADDR and
+    ACCELERATE_USE_CPU but no RANK or WORLD_SIZE (accelerate's simple launcher): refused in one
+    line naming the launcher to use, before any group is made."""
+    import fastdist.accelerate
+
+    if torch.distributed.is_initialized():
+        pytest.skip("this process has a group already")
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(ValueError) as refused:
+        fastdist.accelerate.init_process_group()
+    line = str(refused.value)
+    assert "\n" not in line and "`accelerate launch --cpu` started this one process" in line, line
+    assert "fastdist run --nproc-per-node N" in line, line
+    assert not torch.distributed.is_initialized()
 
 
 @pytest.mark.timeout(60)

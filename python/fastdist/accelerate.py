@@ -19,13 +19,21 @@ step that is redone in place after a fault, ``accumulate()`` included::
 
 Accelerate makes its group only when none exists (``PartialState``), so the group made here is
 the one Accelerate uses, and every op on it (DDP's all-reduces, ``gather``, ``reduce``,
-``wait_for_everyone``) is watched. Launch with ``torchrun`` (``accelerate launch --cpu`` starts a
-single process; ``accelerate launch --multi_gpu --num_processes N`` runs torchrun itself).
+``wait_for_everyone``) is watched. Launch with ``fastdist run`` or ``torchrun`` (``accelerate
+launch --multi_gpu --num_processes N`` runs torchrun itself). ``accelerate launch --cpu`` starts a
+single process whatever ``--num_processes`` says, with no RANK or WORLD_SIZE:
+:func:`init_process_group` refuses it, naming ``fastdist run --nproc-per-node N``.
+
+Which launcher replaces a dead worker: only ``fastdist run`` (with a step per accumulation window
+and ``state=``, see :func:`step`). torchrun and ``accelerate launch`` end the job when a worker
+dies, or with ``--max-restarts`` restart every worker; a stalled rank is recovered in place under
+any of them.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -49,6 +57,7 @@ def init_process_group(*kwargs_handlers: Any, backend: str | None = None) -> Non
 
     if torch.distributed.is_initialized():
         return
+    _refuse_a_lone_cpu_launch()
     given: dict[str, Any] = {}
     for handler in kwargs_handlers:
         if isinstance(handler, InitProcessGroupKwargs):
@@ -59,6 +68,21 @@ def init_process_group(*kwargs_handlers: Any, backend: str | None = None) -> Non
             )
     chosen = backend or given.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
     _init_process_group(chosen, init_method=given.get("init_method"), timeout=given.get("timeout"))
+
+
+def _refuse_a_lone_cpu_launch() -> None:
+    """``accelerate launch --cpu --num_processes N`` (without mpirun) starts one process, with
+    MASTER_ADDR but no RANK or WORLD_SIZE: the group could not be made (torch's error names
+    neither the launcher nor the fix), and training on one process would pass for N."""
+    if os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() not in ("1", "y", "yes", "t", "true", "on"):
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    raise ValueError(
+        "fastdist.accelerate: `accelerate launch --cpu` started this one process with no RANK or "
+        "WORLD_SIZE; for several CPU processes launch with `fastdist run --nproc-per-node N "
+        "script.py` (or torchrun)"
+    )
 
 
 def step(

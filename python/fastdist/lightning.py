@@ -30,6 +30,11 @@ state is put back too, so dropout draws the same masks.
 Manual optimization is refused at set-up unless ``max_retries=0``: fastdist cannot redo a step it
 does not run.
 
+Which launcher replaces a dead worker: only ``fastdist run``. Lightning's own launcher kills every
+other process when one dies (the job ends); torchrun ends the job, or with ``--max-restarts``
+restarts every worker. A stalled rank is recovered in place under any of them. ``fastdist run
+--spares`` is refused when the strategy is made (Lightning would count the spares as ranks).
+
 A dead worker is replaced under ``fastdist run`` (the same script, any number of processes): the
 live ranks' failed step recovers with their state, and the replacement, which runs Lightning's
 set-up on a group of its own, joins that recovery before its first batch, is handed the
@@ -61,6 +66,7 @@ from typing import Any
 import torch
 
 from .deadlines import fail_after
+from .diagnostics import uncaught
 from .process_group import init_process_group
 from .recovery import joining
 from .recovery.growing import sync_state
@@ -84,20 +90,27 @@ def _chosen_package() -> str:
     )
 
 
-def _init_watched_group(strategy: Any) -> None:
-    """The default group, made by :func:`fastdist.init_process_group` (watched) where Lightning
-    would call torch's: from the strategy's cluster environment, with its backend and timeout. A
-    group that exists already (a second ``fit``, or one the script made) is used as it is."""
+def _refuse_spares() -> None:
+    """Refuses ``fastdist run --spares`` when a strategy is made, before Lightning sizes the job:
+    it takes the world size (its check of devices x num_nodes, the samplers' shards) from the
+    launcher's WORLD_SIZE, which counts the spares, and would split the data among ranks that do
+    not train. Every worker raises the same error, which ``fastdist run`` takes for the script's
+    own: the job ends with one root cause and no replacement."""
     spares = joining.spares_arg(None)
     if spares:
-        # Lightning sizes the job (its check of devices x num_nodes, the samplers' shards) from
-        # the launcher's WORLD_SIZE, which counts the spares: the data would be split among ranks
-        # that do not train.
+        uncaught.record_uncaught()  # under fastdist run: to the agent, which shows it once
         raise ValueError(
             f"fastdist.lightning: FASTDIST_SPARES={spares} (fastdist run --spares) is not supported: "
             "Lightning takes the world size from WORLD_SIZE, which counts the spares; run without "
             "--spares (a dead worker is still replaced, by a new process)"
         )
+
+
+def _init_watched_group(strategy: Any) -> None:
+    """The default group, made by :func:`fastdist.init_process_group` (watched) where Lightning
+    would call torch's: from the strategy's cluster environment, with its backend and timeout. A
+    group that exists already (a second ``fit``, or one the script made) is used as it is."""
+    _refuse_spares()
     if torch.distributed.is_initialized():
         return
     env = strategy.cluster_environment
@@ -183,6 +196,7 @@ class _Mixin(_Bounded):
         )
         self._fastdist_recover_timeout = positive_seconds(recover_timeout, "recover_timeout")
         self._fastdist_max_retries = check_retries(max_retries)
+        _refuse_spares()
         self.retries = 0  # steps redone in this process, for the user's logs and tests
         self.joined_at: int | None = None  # on a replacement: the global step it joined at
         super().__init__(*args, **kwargs)
@@ -563,6 +577,7 @@ class _FabricMixin(_Bounded):
         self._fastdist_collective_timeout = (
             None if collective_timeout is None else positive_seconds(collective_timeout, "collective_timeout")
         )
+        _refuse_spares()
         super().__init__(*args, **kwargs)
 
     def _setup_distributed(self) -> None:
