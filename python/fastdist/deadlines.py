@@ -21,6 +21,8 @@ import types
 import warnings
 from typing import Any, Callable, Union
 
+from torch.distributed import distributed_c10d as _c10d
+
 from ._native import _core, _watched, watched_backends
 from .errors import typed_error_for
 
@@ -177,12 +179,11 @@ _default_group_checked = False
 def _check_default_group() -> None:
     """Warns once when a deadline scope opens while the default group is one fastdist does not
     watch (made by torch.distributed.init_process_group, as a framework does when fastdist is not
-    told): the ops torch issues on it would have no deadline, silently."""
+    told): the ops torch issues on it would have no deadline, silently. Called by a scope's
+    entry once a default group exists."""
     global _default_group_checked
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        return
     _default_group_checked = True
     pg = dist.group.WORLD
     if pg is not None and not watched_backends(pg):
@@ -209,7 +210,7 @@ class _Scope(DeadlineScope):
     __slots__ = ("_reset", "_since", "_thread")
 
     def __enter__(self) -> DeadlineScope:
-        if not _default_group_checked:
+        if not _default_group_checked and _c10d.GroupMember.WORLD is not None:
             _check_default_group()
         self._thread = _get_ident()
         outer = _scope_deadline.get()
@@ -303,7 +304,7 @@ class _Relative(_Scope):
     _budget: float
 
     def __enter__(self) -> DeadlineScope:
-        if not _default_group_checked:
+        if not _default_group_checked and _c10d.GroupMember.WORLD is not None:
             _check_default_group()
         now = _now()
         deadline = now + self._budget
