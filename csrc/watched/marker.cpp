@@ -12,6 +12,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <dlfcn.h>
 
+#include <initializer_list>
+
 namespace fastdist::watched {
 
 namespace {
@@ -45,15 +47,44 @@ c10::Device device_of(c10::ArrayRef<at::Tensor> ins) {
   return impl.getDevice();
 }
 
-// torch 2.13 asks the device's guard whether a stream captures (isStreamCapturing); an older
-// one has no such question, and a capture goes unseen there (see capturing()).
+// A symbol of a library the process has loaded already (fastdist links no CUDA library: where
+// none is loaded, there is nothing to ask). `libs`: where to look when the global scope lacks it.
+void* loaded_symbol(const char* name, std::initializer_list<const char*> libs) {
+  void* sym = dlsym(RTLD_DEFAULT, name);
+  for (const char* lib : libs) {
+    if (sym) break;
+    if (void* h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD)) sym = dlsym(h, name);
+  }
+  return sym;
+}
+
+void* cudart_symbol(const char* name) {
+  return loaded_symbol(name, {"libcudart.so.13", "libcudart.so.12", "libcudart.so"});
+}
+
+// torch before 2.13 has no isStreamCapturing: the CUDA runtime is asked itself, with the stream's
+// handle from c10's CUDAStream::stream() (c10::cuda::CUDAStream holds just its c10::Stream, so a
+// c10::Stream stands for one as `this`).
+bool runtime_capturing(const c10::Stream& s) {
+  using ToHandle = void* (*)(const c10::Stream*);
+  using IsCapturing = int (*)(void*, int*);
+  static auto to_handle =
+      reinterpret_cast<ToHandle>(loaded_symbol("_ZNK3c104cuda10CUDAStream6streamEv", {"libc10_cuda.so"}));
+  static auto is_capturing = reinterpret_cast<IsCapturing>(cudart_symbol("cudaStreamIsCapturing"));
+  if (!to_handle || !is_capturing) return false;
+  int status = 0;  // cudaStreamCaptureStatusNone
+  return is_capturing(to_handle(&s), &status) == 0 && status != 0;
+}
+
+// torch 2.13 asks the device's guard whether a stream captures (isStreamCapturing); an older one
+// has no such question (the runtime is asked instead).
 template <typename Impl>
 auto stream_capturing(const Impl& impl, const c10::Stream& s, int) -> decltype(impl.isStreamCapturing(s)) {
   return impl.isStreamCapturing(s);
 }
 template <typename Impl>
-bool stream_capturing(const Impl&, const c10::Stream&, long) {
-  return false;
+bool stream_capturing(const Impl&, const c10::Stream& s, long) {
+  return runtime_capturing(s);
 }
 
 }  // namespace
@@ -78,14 +109,7 @@ void relax_capture_mode() {
   // in the default (global) mode would fail and invalidate that capture. Looked up at run time:
   // fastdist links no CUDA library (nothing to do where none is loaded).
   using Fn = int (*)(int*);
-  static Fn fn = [] {
-    void* sym = dlsym(RTLD_DEFAULT, "cudaThreadExchangeStreamCaptureMode");
-    for (const char* lib : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
-      if (sym) break;
-      if (void* h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD)) sym = dlsym(h, "cudaThreadExchangeStreamCaptureMode");
-    }
-    return reinterpret_cast<Fn>(sym);
-  }();
+  static auto fn = reinterpret_cast<Fn>(cudart_symbol("cudaThreadExchangeStreamCaptureMode"));
   if (fn) {
     int mode = 2;  // cudaStreamCaptureModeRelaxed
     fn(&mode);
