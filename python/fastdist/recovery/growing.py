@@ -30,7 +30,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..deadlines import TimeoutLike, current_time, effective_deadline, get_default_timeout, validate_seconds
+from ..deadlines import (
+    TimeoutLike,
+    check_timeout,
+    current_time,
+    effective_deadline,
+    get_default_timeout,
+    validate_seconds,
+)
 from ..diagnostics import events, listener
 from ..errors import RecoveryError
 from ..groups import pgstate, registry
@@ -208,6 +215,8 @@ def sync_state(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None)
     receives its predecessor's shards from a rank that holds a copy, and the whole job rolls back
     to that snapshot.
     """
+    # Checked here, on a first start too: recover_joining returns False before it needs one.
+    check_timeout(timeout)
     if not _growth.grower:
         return recover_joining(state, timeout=timeout, snapshot=snapshot)
     _join(state_sync.check_state(state), _deadline(timeout))
