@@ -8,7 +8,11 @@ group (a replacement that joins there is handed ``state`` as it was when the ste
 step runs again, at most ``max_retries`` times. A step whose optimizer had already
 updated the parameters when it failed is never redone (that would apply the update twice): it
 raises ``RuntimeError`` saying so (not a FastdistError: a handler that recovers and retries must
-not catch it).
+not catch it). Nor is a step redone when the fault split the live ranks (one had applied the
+previous step's update, another had not: a rank that died mid-all-reduce let one neighbour's
+return and not the other's): ``recover(state=)`` gives them all the state of the one that got
+least far, but a rank that got further is past that step's batch, which only the caller's loop can
+take it back to; ``RuntimeError`` says so on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from .deadlines import fail_after, validate_seconds
 from .errors import FastdistError
+from .recovery import reconcile
 from .recovery.recover import recover
 
 log = logging.getLogger("fastdist")
@@ -137,9 +142,27 @@ def redo_after_fault(
             )
             # Put back first: a rank that joins in the recovery is handed the step's start.
             start.restore()
-            recover(group, timeout=recover_timeout, state=state)
+            pg = recover(group, timeout=recover_timeout, state=state)
+            done = reconcile.last(pg)
+            if done is not None and done.split:
+                raise RuntimeError(_split_message(done)) from err
             if on_retry is not None:
                 on_retry()
+
+
+def _split_message(done: reconcile.Reconciliation) -> str:
+    what = (
+        "they kept their states (no state= was passed), which differ"
+        if done.diverged
+        else f"every rank now holds rank {done.source}'s state"
+    )
+    return (
+        f"fastdist: the live ranks were split when the step failed ({done.describe(sorted(done.counts))}): "
+        f"{', '.join(f'rank {r}' for r in done.applied)} had applied an optimizer update that rank "
+        f"{done.source} had not, and {what}. The step cannot be redone in place: a rank that got further "
+        "is past the batch of the step it must redo. Keep the loop's position in state= and recover in "
+        "the loop itself (README: 'A worker that dies is replaced'), or restart the job from a checkpoint"
+    )
 
 
 def run_step(
@@ -168,7 +191,9 @@ def run_step(
     step is the last micro-batch of a gradient-accumulation window and does not zero the
     gradients: the gradients at the start are copied and put back before a retry. The RNG state
     is put back too. After ``max_retries`` faults the last error is raised. ``state`` is passed
-    to :func:`recover` (a replacement of a dead rank is brought up to date with it).
+    to :func:`recover` (a replacement of a dead rank is brought up to date with it). When the fault
+    split the live ranks (one had applied the previous step's update and another had not), the
+    step is not redone: ``RuntimeError`` on every rank.
     """
     if not callable(step):
         raise TypeError(f"step must be callable, got {type(step).__name__}")

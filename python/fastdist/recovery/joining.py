@@ -139,7 +139,9 @@ def solo_groups() -> Iterator[None]:
 
 
 def source_of(size: int, joiners: list[int]) -> int:
-    """The live rank that sends the state: the lowest rank that did not join."""
+    """The live rank that sends the state when the live ranks are known to be in step (a growth):
+    the lowest rank that did not join. (A recovery picks the one that got least far: see
+    fastdist.recovery.reconcile.)"""
     for r in range(size):
         if r not in joiners:
             return r

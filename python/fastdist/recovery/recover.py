@@ -11,6 +11,10 @@ a :class:`GroupAbortedError`, rebuilds the group without restarting the processe
    until its in-flight op has ended, then lets it go).
 3. A fresh group is built on the members, under a store prefix of its own, renumbered in order
    of their old ranks. It replaces the default group when the default group is the one that died.
+4. The members compare how far each one's state got (fastdist.recovery.reconcile: one all-gather
+   of op counts), and the live rank that got least far hands its state (``state=``) to the ranks
+   that joined and to every live rank that got further, so that every member holds the same
+   state. The group's ops are then numbered from 1 again on every member.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ..groups import pgstate, registry
 from ..ops import polled
 from ..store import keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded, stuck
-from . import joining, state_sync, wrappers
+from . import joining, reconcile, state_sync, wrappers
 from .snapshot import PeerSnapshot, halt_all, load_into, newest_covering, own_copy, replicas
 
 logger = logging.getLogger(__name__)
@@ -106,11 +110,18 @@ def recover(
     raised; ``recover`` waits for that abort first (torch's abort frees device memory, so it
     also waits for kernels still running on the GPU), bounded by ``FASTDIST_ABORT_TIMEOUT``.
 
-    ``state`` (a dict of Statefuls, as :func:`sync_state` takes): when a process joined in the
-    place of a dead rank (a replacement or a spare), the lowest live rank sends it this state;
-    the others pass theirs too (it is not read). Without ``state`` a joiner cannot be brought
-    up to date, and recovery raises :class:`RecoveryError` on every rank rather than train on
-    with a rank that holds other weights.
+    ``state`` (a dict of Statefuls, as :func:`sync_state` takes): the live ranks' states are
+    reconciled with it. A fault can split them: a rank that died mid-all-reduce lets one
+    neighbour's all-reduce return (it applies the step's update) and not another's. The live rank
+    whose state got least far (the fewest of the group's ops completed; ties: the lowest rank)
+    sends its state to every live rank that got further, and to each process that joined in the
+    place of a dead rank (a replacement or a spare), so that every member holds the same state and
+    the step is redone once, everywhere (a loop that keeps its position in ``state``, as the
+    README's does, redoes it). Without ``state`` a joiner cannot be brought up to date, and
+    recovery raises :class:`RecoveryError` on every rank rather than train on with a rank that
+    holds other weights; live ranks that got unequally far are named in a warning (their models
+    may differ). Sharded state (FSDP2) that cannot be reconciled so raises
+    :class:`RecoveryError` on every rank.
 
     ``snapshot`` (a :class:`fastdist.PeerSnapshot` of ``state``): when a joiner takes a dead
     rank's place and ``state`` is sharded (FSDP2), every rank loads the newest snapshot whose
@@ -205,6 +216,10 @@ def _recover(
 ) -> Any:
     st = pgstate.state_of(pg)
     is_default = dist.is_initialized() and pg is dist.distributed_c10d._get_default_group()
+    joiner = joining.is_pending() and is_default
+    # How far this rank's state got, before anything renumbers the group's ops (-1: a joiner).
+    held = (-1, -1) if joiner else reconcile.begin(pg, st)
+    name = st.name
     if is_default:
         halt_all()  # a snapshot exchange in flight issues nothing on the groups rebuilt below
     if is_default and lineage["root"] is None:
@@ -233,7 +248,6 @@ def _recover(
             if is_default:
                 lineage["root"] = store
         # Bounded: a store cut off by the network would otherwise hold this rank for minutes.
-        joiner = joining.is_pending() and is_default
         members = bounded(
             lambda abandoned: _agree(store, st, gen, deadline, allow_shrink, abandoned, joiner),
             deadline - current_time() + GRACE_SECONDS,
@@ -267,10 +281,10 @@ def _recover(
         joiners = _joiners(store, st, gen) if is_default else []
         if joiners:
             wrappers.fresh_ddp_reducers(groups)
-            hand_over(pg, st, gen, state, joiners, deadline, snapshot)
-            if me == joiners[0]:  # every member read the list before the hand-over's barrier
-                with contextlib.suppress(RuntimeError):  # a store without delete keeps it
-                    store.delete_key(_joiners_key(st, gen))
+        _reconcile(pg, st, name, gen, state, snapshot, joiners, held, deadline)
+        if joiners and me == joiners[0]:  # every member read the list before the hand-over's barrier
+            with contextlib.suppress(RuntimeError):  # a store without delete keeps it
+                store.delete_key(_joiners_key(st, gen))
         for j in joiners:
             events.emit("replacement", me, st.name, gen, replaced_rank=j)
         events.emit(
@@ -310,6 +324,10 @@ def _recover(
         listener.restart(dist.distributed_c10d._get_default_store(), new_rank)
         for hook in WORLD_CHANGED:
             hook(new_rank, new_size)
+    if registry.is_watched(new):  # (an op on a group fastdist does not watch is not bounded)
+        _reconcile(new, pgstate.state_of(new), name, gen, state, snapshot, [], held, deadline)
+    else:
+        reconcile.forget(name)
     events.emit(
         "recovery", me, st.name, gen, world_size=new_size, in_place=False, recovery=current_time() - start
     )
@@ -333,6 +351,52 @@ def _joiners(store: Any, st: pgstate.GroupState, gen: int) -> list[int]:
     return sorted({int(r) for r in bytes(store.get(key)).split()})
 
 
+def _reconcile(
+    pg: Any,
+    st: pgstate.GroupState,
+    name: str,
+    gen: int,
+    state: dict[str, Any] | None,
+    snapshot: PeerSnapshot | None,
+    joiners: list[int],
+    held: tuple[int, int],
+    deadline: float,
+) -> None:
+    """Leaves every member of the rebuilt group ``pg`` (first called ``name``) with the same
+    state: the members exchange how far their state got (``held``: this rank's op count and
+    optimizer updates, -1 on a joiner; see fastdist.recovery.reconcile), and the live rank that
+    got least far hands its state to the joiners and to every live rank that got further (it may
+    have applied an update that the source had not: the step is redone everywhere). Then the
+    group's ops are numbered from 1 again on every member."""
+    me = st.my_global_rank
+    counts, updates, has = reconcile.exchange(pg, st, gen, held, state is not None, deadline)
+    done = reconcile.plan(counts, updates, has, joiners)
+    if done is not None and done.diverged:
+        reconcile.warn_diverged(me, done)
+    ahead = done.ahead if done is not None else []
+    alike: list[int] = []
+    if done is not None and ahead and not done.applied and state_sync.sharded_entries(state or {}):
+        # Their counts differ, yet no live rank applied an optimizer update that the source had not
+        # (a broadcast's root completed, say, and a receiver's failed): their shards are alike, and
+        # a rank's shards could not be handed to another anyway.
+        alike, ahead = ahead, []
+    if joiners or ahead:
+        hand_over(
+            pg,
+            st,
+            gen,
+            state,
+            joiners,
+            deadline,
+            snapshot,
+            source=None if done is None else done.source,
+            ahead=ahead,
+        )
+    same = me in joiners or me in ahead or me in alike
+    count = counts[done.source] if done is not None and same else held[0]
+    reconcile.finish(pg, st, name, count, done)
+
+
 def hand_over(
     pg: Any,
     st: pgstate.GroupState,
@@ -341,12 +405,34 @@ def hand_over(
     joiners: list[int],
     deadline: float,
     snapshot: PeerSnapshot | None = None,
+    *,
+    source: int | None = None,
+    ahead: list[int] | None = None,
 ) -> None:
     """A live rank's ``state`` to the ranks that joined; on a joiner, loaded into its ``state``.
-    Sharded state replicated along a mesh dimension (HSDP): each joiner gets its shards from a
-    replica. Sharded state with a snapshot: every rank rolls back to the snapshot instead."""
+    ``source``: the live rank that sends (default: the lowest). ``ahead``: live ranks that got
+    further than the source before the group failed (they applied an update that it had not):
+    they load its state too. Sharded state replicated along a mesh dimension (HSDP): each of those
+    ranks gets its shards from a replica. Sharded state with a snapshot: every rank rolls back to
+    the snapshot instead. Afterwards every member numbers the group's ops from 1 again."""
+    _hand_over(pg, st, gen, state, joiners, deadline, snapshot, source, sorted(ahead or []))
+    reconcile.renumber(st)
+
+
+def _hand_over(
+    pg: Any,
+    st: pgstate.GroupState,
+    gen: int,
+    state: dict[str, Any] | None,
+    joiners: list[int],
+    deadline: float,
+    snapshot: PeerSnapshot | None,
+    source: int | None,
+    ahead: list[int],
+) -> None:
     me = st.my_global_rank
-    names = ", ".join(f"rank {r}" for r in joiners)
+    receivers = sorted({*joiners, *ahead})
+    names = ", ".join(f"rank {r}" for r in receivers)
 
     def fail(reason: str) -> RecoveryError:
         return RecoveryError(group=st.name, rank=me, generation=gen, reason=reason, missing_ranks=None)
@@ -354,31 +440,41 @@ def hand_over(
     sharded = state_sync.sharded_entries(state) if state is not None else []
     held_twice = replicas(state) if sharded and state is not None else None
     if held_twice is not None and state is not None:
-        _from_replicas(pg, st, gen, state, held_twice, joiners, deadline, fail)
+        _from_replicas(pg, st, gen, state, held_twice, joiners, ahead, deadline, fail)
         return
     if sharded and snapshot is not None:
         _roll_back(pg, st, gen, snapshot, joiners, deadline, fail)
         return
+    if sharded and joiners:
+        raise fail(
+            f"{', '.join(f'rank {r}' for r in joiners)} joined in a dead rank's place, but the state "
+            f"entries {', '.join(map(repr, sharded))} hold sharded tensors (FSDP2/DTensor): the dead rank's "
+            "shards are on no live rank. Keep copies on other ranks (fastdist.PeerSnapshot, passed as "
+            "snapshot=), or restart the job from a checkpoint"
+        )
     if sharded:
         raise fail(
-            f"{names} joined in a dead rank's place, but the state entries {', '.join(map(repr, sharded))} "
-            "hold sharded tensors (FSDP2/DTensor): the dead rank's shards are on no live rank. Keep "
-            "copies on other ranks (fastdist.PeerSnapshot, passed as snapshot=), or restart the job from a "
-            "checkpoint"
+            f"{_split(ahead, source)}, and the state entries {', '.join(map(repr, sharded))} hold sharded "
+            "tensors (FSDP2/DTensor): a rank's shards cannot be replaced by another rank's. Keep copies "
+            "on other ranks (fastdist.PeerSnapshot, passed as snapshot=: every rank then rolls back to "
+            "it), or restart the job from a checkpoint"
         )
     if len(joiners) >= st.size:
         raise fail(
             "every rank of the group joined anew (all of the first processes died): no live rank holds "
             "the state. Restart the job from a checkpoint"
         )
-    source = joining.source_of(st.size, joiners)
+    if source is None:
+        source = joining.source_of(st.size, joiners)
     try:
-        if me in joiners:
-            received = state_sync.receive(source, pg, deadline, into=state)
+        if me in receivers:
+            # A live rank receives into new tensors: its own state stays whole if the transfer
+            # fails midway (it may be the source of the next attempt).
+            received = state_sync.receive(source, pg, deadline, into=state if me in joiners else None)
         else:
             received = None
             if me == source:
-                state_sync.send(state, joiners, pg, deadline)
+                state_sync.send(state, receivers, pg, deadline)
         # Every member learns whether the hand-over worked (a joiner that died mid-transfer fails
         # the source's send, and this barrier everywhere else).
         with fail_at(deadline):
@@ -390,7 +486,11 @@ def hand_over(
             f"{names} joined in a dead rank's place, but recover() was called without state=: "
             "the joiners cannot be brought up to date (pass the same state dict that sync_state() takes)"
         )
-    if me not in joiners:
+    if me not in receivers:
+        if me == source and ahead:
+            logger.info(
+                "rank %d: %s: sent them this rank's state (generation %d)", me, _split(ahead, source), gen
+            )
         return
     if received is None:
         raise fail("the live ranks called recover() without state=: there is no state to load")
@@ -398,7 +498,28 @@ def hand_over(
         raise fail(f"the live ranks' state has keys {sorted(received)}, this rank's {sorted(state)}")
     for key, obj in state.items():
         obj.load_state_dict(received[key])
-    logger.info("rank %d: loaded the state of rank %d (generation %d)", me, source, gen)
+    if me in ahead:
+        logger.info(
+            "rank %d: had got further than rank %d when the group failed (it may have applied an update "
+            "that rank %d had not): loaded rank %d's state, so that every rank goes on from the same one "
+            "(generation %d)",
+            me,
+            source,
+            source,
+            source,
+            gen,
+        )
+    else:
+        logger.info("rank %d: loaded the state of rank %d (generation %d)", me, source, gen)
+
+
+def _split(ahead: list[int], source: int | None) -> str:
+    """Says which live ranks got further than the source before the group failed."""
+    who = ("ranks " if len(ahead) > 1 else "rank ") + ", ".join(map(str, ahead))
+    return (
+        f"the live ranks had not all got as far when the group failed: {who} had got further than rank "
+        f"{source} (and may have applied an update that it had not)"
+    )
 
 
 def _from_replicas(
@@ -408,38 +529,52 @@ def _from_replicas(
     state: dict[str, Any],
     held_twice: dict[int, list[int]],
     joiners: list[int],
+    ahead: list[int],
     deadline: float,
     fail: Any,
 ) -> None:
     """Each joiner receives its predecessor's shards, as they are now, from the lowest live rank
-    that holds the same ones (its replica along HSDP's replicate dimension): nothing rolls back."""
+    that holds the same ones (its replica along HSDP's replicate dimension): nothing rolls back.
+    A live rank ``ahead`` (it applied an update the others had not) receives its shards so, from a
+    replica that had not."""
     me = st.my_global_rank
+    receivers = sorted({*joiners, *ahead})
     sources: dict[int, int] = {}
-    for j in joiners:
-        alive = [r for r in held_twice.get(j, []) if r not in joiners]
-        if not alive:
+    for j in receivers:
+        alive = [r for r in held_twice.get(j, []) if r not in receivers]
+        if not alive and j in joiners:
             raise fail(
                 f"rank {j} died with every rank that holds the same shards (its replicas: ranks "
                 f"{', '.join(map(str, held_twice.get(j, [])))}): no live rank holds them. Restart the job "
                 "from a checkpoint (fastdist.load_checkpoint)"
             )
+        if not alive:
+            raise fail(
+                f"rank {j} had applied an update that other live ranks had not when the group failed, and "
+                f"so had every live rank that holds the same shards (its replicas: ranks "
+                f"{', '.join(map(str, held_twice.get(j, [])))}): no rank holds its shards as they were "
+                "before. Keep copies (fastdist.PeerSnapshot, passed as snapshot=), or restart the job "
+                "from a checkpoint (fastdist.load_checkpoint)"
+            )
         sources[j] = min(alive)
     try:
         received = None
-        for j in joiners:
+        for j in receivers:
             if me == sources[j]:
                 state_sync.send_dicts(own_copy(state), [j], pg, deadline)
             elif me == j:
                 received = state_sync.receive(sources[j], pg, deadline)
-        if me in joiners:
+        if me in receivers:
             if received is None:
                 raise fail(f"the shards of rank {me} did not arrive from rank {sources[me]}")
             load_into(state, received)
         with fail_at(deadline):
             dist.barrier(group=pg)
     except FastdistError as exc:
-        raise fail(f"handing the replicas' shards to {', '.join(map(str, joiners))} failed: {exc}") from None
-    if me in joiners:
+        raise fail(
+            f"handing the replicas' shards to {', '.join(map(str, receivers))} failed: {exc}"
+        ) from None
+    if me in receivers:
         logger.info(
             "rank %d: loaded its shards from its replica, rank %d (generation %d)", me, sources[me], gen
         )

@@ -184,7 +184,7 @@ def _now(issue: Callable[[], Any]) -> Any:
     return issue()
 
 
-def _device_of(group: Any) -> torch.device:
+def device_of(group: Any) -> torch.device:
     return (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend(group) == "nccl"
@@ -230,7 +230,7 @@ def send(state: Mapping[str, Any] | None, joiners: list[int], group: Any, deadli
 
 def send_dicts(dicts: Mapping[str, Any] | None, joiners: list[int], group: Any, deadline: float) -> int:
     """:func:`send` of state dicts already made (a snapshot's)."""
-    packed = Packed(dicts, _device_of(group))
+    packed = Packed(dicts, device_of(group))
     with fail_at(deadline):
         for j in joiners:
             packed.send(j, group)
@@ -247,7 +247,7 @@ def receive(
     """The state dicts sent by ``source`` (None: the sender had no state to give). Large tensors
     land in ``into``'s own (a dict of Statefuls) where they match, else in new ones. ``post``
     issues each receive (a gate may refuse it)."""
-    device = _device_of(group)
+    device = device_of(group)
 
     def recv(t: torch.Tensor) -> None:
         post(lambda: dist.irecv(t, source, group=group)).wait()
