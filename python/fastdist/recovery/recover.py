@@ -369,6 +369,9 @@ def _reconcile(
     have applied an update that the source had not: the step is redone everywhere). Then the
     group's ops are numbered from 1 again on every member."""
     me = st.my_global_rank
+    # The agreement may have used all of recover()'s timeout waiting for a rank that never came (a
+    # shrink closes at the deadline): the members, known alive now, get a few seconds of their own.
+    deadline = max(deadline, current_time() + RECONCILE_SECONDS)
     counts, updates, has = reconcile.exchange(pg, st, gen, held, state is not None, deadline)
     done = reconcile.plan(counts, updates, has, joiners)
     if done is not None and done.diverged:
@@ -395,6 +398,11 @@ def _reconcile(
     same = me in joiners or me in ahead or me in alike
     count = counts[done.source] if done is not None and same else held[0]
     reconcile.finish(pg, st, name, count, done)
+
+
+# How long the members of a rebuilt group have at least to compare how far each got and hand
+# over the state, whatever was left of recover()'s timeout.
+RECONCILE_SECONDS = 5.0
 
 
 def hand_over(
