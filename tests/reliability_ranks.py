@@ -323,3 +323,37 @@ def recover_from_two_threads(ctx) -> None:
         fastdist.all_reduce(t, timeout=20)
         outcomes.append({**got, "sum": t.item()})
     ctx.record("two_threads_recover", outcomes=outcomes)
+
+
+def recover_again_after_a_failed_agreement(ctx) -> None:
+    """3 ranks, all alive: rank 2 comes to recover() only once ranks 0 and 1 gave up on it (their
+    short recover() failed, naming rank 2). Then every rank calls recover() again, rank 2 for the
+    first time: it succeeds on every rank, and no rank ever names itself as missing."""
+    ctx.init()
+    fastdist.barrier(timeout=20)
+    attempts = []
+    if ctx.rank == 2:
+        ctx.store.wait(["failed_agreement/0", "failed_agreement/1"])
+    else:
+        try:
+            fastdist.barrier(timeout=0.5)
+        except fastdist.CollectiveTimeoutError:
+            pass
+        try:
+            fastdist.recover(timeout=1.0)
+            attempts.append({"ok": True})
+        except fastdist.RecoveryError as e:
+            attempts.append({"ok": False, "missing": e.missing_ranks, "message": str(e)})
+        ctx.store.set(f"failed_agreement/{ctx.rank}", "1")
+    for _ in range(3):
+        t0 = time.monotonic()
+        try:
+            fastdist.recover(timeout=20)
+            attempts.append({"ok": True, "seconds": time.monotonic() - t0})
+            break
+        except fastdist.RecoveryError as e:
+            attempts.append({"ok": False, "missing": e.missing_ranks, "message": str(e)})
+    t = torch.ones(1)
+    if attempts[-1]["ok"]:
+        fastdist.all_reduce(t, timeout=20)
+    ctx.record("attempts", attempts=attempts, value=t.item(), world_size=dist.get_world_size())

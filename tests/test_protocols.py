@@ -253,6 +253,66 @@ def test_a_rank_arriving_after_the_deadline_decided_is_left_out() -> None:
     assert isinstance(out[2], RecoveryError) and "already rebuilt" in str(out[2]), out[2]
 
 
+def test_a_replacement_of_a_rank_that_died_inside_the_agreement_moves_on_to_the_next_generation() -> None:
+    # Issue 40, item 3: rank 2 counted itself into generation 1 and died; its replacement came to
+    # generation 1 too (the dead rank never recorded it as the latest), as a fourth arrival, and
+    # failed "after the others had closed the new generation without it", at every try. It must
+    # learn that the generation is used up, and meet the live ranks in the next one.
+    store = dist.HashStore()
+    out: dict[int, Any] = {}
+
+    def run(r: int, gen: int, joiner: bool = False) -> None:
+        try:
+            out[r] = recovery._agree(
+                store, _rank(store, r, 3, "d"), gen, current_time() + 5.0, False, None, joiner
+            )
+        except RecoveryError as exc:
+            out[r] = exc
+
+    def together(runs: list[tuple[int, int, bool]]) -> None:
+        threads = [threading.Thread(target=run, args=a) for a in runs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+
+    together([(0, 1, False), (1, 1, False), (2, 1, False)])  # rank 2's first process, then it dies
+    assert out[0] == out[1] == [0, 1, 2]
+    # Rank 2 was the first arrival, whose chore is to record the generation as the latest: it died first.
+    store.delete_key(recovery.latest_key("d"))
+    run(2, 1, True)  # its replacement
+    assert type(out[2]).__name__ == "GenerationTaken" and "call recover() again" in str(out[2]), out[2]
+    together([(0, 2, False), (1, 2, False), (2, 2, True)])  # everyone's next recover()
+    assert out[0] == out[1] == out[2] == [0, 1, 2], out
+
+
+def test_a_failed_round_agrees_nothing_and_the_next_round_waits_for_everyone() -> None:
+    # Issue 40, item 2, at the protocol: ranks 0 and 1 give up on rank 2 (no shrink); rank 2 comes
+    # after, then all three call again: one round later every rank is a member.
+    store = dist.HashStore()
+    out: dict[int, Any] = {}
+
+    def run(r: int, seconds: float) -> None:
+        try:
+            out[r] = recovery._agree(store, _rank(store, r, 3, "f"), 1, current_time() + seconds, False)
+        except RecoveryError as exc:
+            out[r] = exc
+
+    early = [threading.Thread(target=run, args=(r, 0.3)) for r in (0, 1)]
+    for t in early:
+        t.start()
+    for t in early:
+        t.join(30)
+    assert all(isinstance(out[r], RecoveryError) and out[r].missing_ranks == [2] for r in (0, 1)), out
+    threads = [threading.Thread(target=run, args=(r, 10.0)) for r in (2, 0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out[0] == out[1] == out[2] == [0, 1, 2], out
+
+
 def test_the_ringer_rings_again_the_ranks_under_a_silent_parent() -> None:
     """A ring tree whose branch holds a rank that died unannounced (a node lost with its agent):
     halfway through its window the ringer rings, directly, each rank that has not posted and

@@ -139,3 +139,20 @@ def test_recover_called_from_two_threads_at_once_is_shared_never_a_crash() -> No
         outcomes = r.record("two_threads_recover")["outcomes"]
         assert len(outcomes) == 20, info
         assert all(o == {"a": "ok", "b": "ok", "sum": 2.0} for o in outcomes), outcomes
+
+
+def test_recover_called_again_after_a_failed_agreement_succeeds_once_every_rank_is_there() -> None:
+    # Issue 40, item 2: the failed round used the generation up, and every later recover() on every
+    # rank failed at once with the first error (rank 2 naming itself as missing), forever.
+    results = run_ranks(reliability_ranks.recover_again_after_a_failed_agreement, 3, timeout=90)
+    info = describe(results)
+    assert all(r.returncode == 0 for r in results), info
+    for r in results:
+        rec = r.record("attempts")
+        attempts = rec["attempts"]
+        assert attempts[-1]["ok"] and rec["value"] == 3.0 and rec["world_size"] == 3, info
+        assert all(r.rank not in (a.get("missing") or []) for a in attempts), info
+        if r.rank < 2:  # their first recover() gave up on rank 2, their second succeeded
+            assert [a["ok"] for a in attempts] == [False, True] and attempts[0]["missing"] == [2], info
+        else:
+            assert [a["ok"] for a in attempts] == [True], info

@@ -6,7 +6,9 @@ a :class:`GroupAbortedError`, rebuilds the group without restarting the processe
 1. The ranks agree on a new generation through the store: each adds itself to the generation's
    member list. The round closes when every rank of the old group is in or, with
    ``allow_shrink=True``, when the first rank's deadline passes; ``compare_set`` makes the first
-   closing decision the one every rank sees.
+   closing decision the one every rank sees. A round that failed (a rank missing, no shrink)
+   agreed nothing: the generation's next round waits for every rank anew, so recover() can be
+   called again.
 2. The dead group is retired without running its destructor on this thread (fastdist holds it
    until its in-flight op has ended, then lets it go).
 3. A fresh group is built on the members, under a store prefix of its own, renumbered in order
@@ -74,7 +76,16 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
     st = pgstate.state_of(pg)
     # The live ranks agree on the generation after the last one agreed: this rank's next.
     st.generation = int(lineage["root"].add(latest_key(st.name), 0))
-    recover(timeout=timeout, state=state, snapshot=snapshot)
+    deadline = effective_deadline(timeout, current_time())
+    while True:
+        try:
+            recover(timeout=max(0.0, deadline - current_time()), state=state, snapshot=snapshot)
+            break
+        except GenerationTaken:
+            # The rank this process replaces died inside a recovery, counted into the generation
+            # the live ranks agreed: their rebuild fails on it, and they agree the next one.
+            if current_time() >= deadline:
+                raise
     joining.set_pending(False)
     listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
     return True
@@ -102,7 +113,8 @@ def recover(
     (for the default group, it also becomes the default).
 
     Without ``allow_shrink`` every rank must turn up before ``timeout``, else
-    :class:`RecoveryError` names the missing ones. With ``allow_shrink=True`` the ranks that have
+    :class:`RecoveryError` names the missing ones, and ``recover()`` may be called again: it
+    succeeds once every rank turns up. With ``allow_shrink=True`` the ranks that have
     not turned up by the first rank's deadline are left out and the rest are renumbered in the
     order of their old ranks; a rank that turns up later gets :class:`RecoveryError`.
 
@@ -253,6 +265,10 @@ def _recover(
             deadline - current_time() + GRACE_SECONDS,
             "the recovery agreement's store work",
         )
+    except GenerationTaken:
+        pgstate.next_generation(st.name)
+        st.generation = gen
+        raise
     except (RuntimeError, ConnectionError) as exc:  # dist.DistError and its kin: the store is gone
         board.store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RecoveryError(
@@ -665,7 +681,13 @@ def _agree(
 ) -> list[int]:
     """The sorted global ranks of the new generation, the same on every member. ``abandoned``
     (set when the caller stopped waiting for an unanswering store): this rank must not join the
-    agreement late, as a member nobody will see."""
+    agreement late, as a member nobody will see.
+
+    A generation may take several rounds: a round that closed without everyone and without
+    ``allow_shrink`` failed (its members got RecoveryError naming the missing ranks), and it
+    agreed nothing, so the generation's next round starts afresh. A rank that counts itself into
+    a round that had already failed (it came late, or it tries again) moves on to the next one, so
+    that ``recover()`` tried again succeeds once every rank turns up."""
     key = keys.key("recover", st.name)
     me = st.my_global_rank
     # The last generation agreed (set by one member of it), read as a counter: one operation,
@@ -679,59 +701,35 @@ def _agree(
             missing_ranks=None,
             reason=f"the other ranks already rebuilt the group as generation {latest} without this rank",
         )
-    # O(1) store operations per rank: an add (arrival order), an append to one member list, and
-    # a blocking wait on one key that holds the decision, read once: "all" (set by the last to
-    # arrive) or "deadline:COUNT" (set at the first deadline by that rank's closer, with how many
-    # had arrived). The member list is read only when the group shrinks: with everyone in, the
-    # members are the old ranks.
-    base = f"{key}/{gen}"
-    if abandoned is not None and abandoned.is_set():
-        raise StoreUnanswered("the caller gave up on the store before this rank joined the agreement")
-    if joiner:  # before counting in: whoever sees the round complete sees this too
-        store.append(f"{base}/joiners", f"{me}\n")
-    n = store.add(f"{base}/count", 1)
-    store.append(f"{base}/members", f"{n}:{me}\n")
-    gone = pgstate.gone(st) if allow_shrink else set()
-    if n >= st.size:
-        decision = bytes(store.compare_set(f"{base}/closed", "", "all"))
-    else:
-        seen: list[bytes] = []  # the decision, as this rank's closer found it (set or read)
-        # The closer and the wait's end can cross: a closer already running when the key came is
-        # waited for (its answer is the decision), one that had not started is skipped. Either
-        # way the decision costs this rank one read at most.
-        closing = threading.Lock()
-        woke: list[bool] = []
-
-        def close() -> None:
-            with closing:
-                if woke:
-                    return
-                count = store.add(f"{base}/count", 0)
-                seen.append(bytes(store.compare_set(f"{base}/closed", "", f"deadline:{count}")))
-
-        if gone:
-            # This rank saw ranks go (their connections closed, no answer to the ring): the round
-            # closes as soon as every other rank is in, not at the deadline. Polled, briefly: the
-            # others are on their way. (A presumed-gone rank that turns up after all is left out,
-            # as at a deadline.)
-            while not seen and current_time() < deadline:
-                if store.check([f"{base}/closed"]):
-                    break
-                if store.add(f"{base}/count", 0) >= st.size - len(gone):
-                    close()
-                    break
-                time.sleep(0.005)
-            if not seen and not store.check([f"{base}/closed"]):
-                close()
-        elif not keywait.wait_key(store, f"{base}/closed", deadline, close):
-            raise StoreUnanswered("nobody could close the recovery agreement: the store is failing")
-        with closing:
-            woke.append(True)
-        decision = seen[0] if seen else bytes(store.get(f"{base}/closed"))
+    if joiner:  # before counting in: whoever sees a round complete sees this too
+        store.append(_joiners_key(st, gen), f"{me}\n")
+    turn = 0
+    while True:
+        base = _round(key, gen, turn)
+        if abandoned is not None and abandoned.is_set():
+            raise StoreUnanswered("the caller gave up on the store before this rank joined the agreement")
+        n, decision = _one_round(store, st, base, deadline, allow_shrink)
+        count = st.size if decision == b"all" else _counted(decision)
+        if not decision.startswith(b"missing:") or n <= count:
+            break
+        turn += 1  # this round had failed before this rank came: the next one is open
+    _rounds[(st.name, gen)] = turn
+    if decision == b"all" and n > st.size:
+        # Every place was taken before this rank counted in: by a process that has died since (a
+        # rank killed inside recover() after it counted in; this rank may be its replacement). The
+        # others agreed the generation with it, and their rebuild fails on it: the generation is
+        # used up, and the next recover() agrees the next one.
+        raise GenerationTaken(
+            group=st.name,
+            rank=me,
+            generation=gen,
+            missing_ranks=None,
+            reason="the generation was agreed, before this rank came, by ranks that counted a process "
+            "that has died since (a rank killed inside recover()): call recover() again",
+        )
     # Whoever closed it first decided for everyone: the last arrival (then no one can have fixed
     # fewer), or a deadline (then the arrivals it counted; a later one is left out).
-    count = st.size if decision == b"all" else _counted(decision)
-    if count < st.size and not allow_shrink:
+    if count < st.size and (not allow_shrink or decision.startswith(b"missing:")):
         arrived = _arrivals(store.get(f"{base}/members"), count)
         missing = [st.global_rank(r) for r in range(st.size) if st.global_rank(r) not in arrived]
         raise RecoveryError(
@@ -770,6 +768,73 @@ def _agree(
     return members
 
 
+class GenerationTaken(RecoveryError):
+    """recover() came to a generation that other ranks had already agreed with a process that has
+    died since: the generation is used up here too, and recover() called again joins the next."""
+
+
+# The round in which each generation of a group was agreed (0: the first), as this process saw
+# it: the keys of its failed rounds are deleted with the generation's.
+_rounds: dict[tuple[str, int], int] = {}
+
+
+def _round(key: str, gen: int, turn: int) -> str:
+    """The store prefix of round ``turn`` of generation ``gen``'s agreement."""
+    return f"{key}/{gen}" if turn == 0 else f"{key}/{gen}/round{turn}"
+
+
+def _one_round(
+    store: Any, st: pgstate.GroupState, base: str, deadline: float, allow_shrink: bool
+) -> tuple[int, bytes]:
+    """Counts this rank into the round at ``base``, and waits for its decision: (this rank's
+    arrival order, the decision)."""
+    # O(1) store operations per rank: an add (arrival order), an append to one member list, and
+    # a blocking wait on one key that holds the decision, read once: "all" (set by the last to
+    # arrive), or at the first deadline, by that rank's closer, with how many had arrived:
+    # "deadline:COUNT" (a closer that allows a shrink: the first COUNT are the members) or
+    # "missing:COUNT" (one that does not: the round failed). The member list is read only when
+    # the group shrinks: with everyone in, the members are the old ranks.
+    n = store.add(f"{base}/count", 1)
+    store.append(f"{base}/members", f"{n}:{st.my_global_rank}\n")
+    if n >= st.size:
+        return n, bytes(store.compare_set(f"{base}/closed", "", "all"))
+    gone = pgstate.gone(st) if allow_shrink else set()
+    seen: list[bytes] = []  # the decision, as this rank's closer found it (set or read)
+    # The closer and the wait's end can cross: a closer already running when the key came is
+    # waited for (its answer is the decision), one that had not started is skipped. Either
+    # way the decision costs this rank one read at most.
+    closing = threading.Lock()
+    woke: list[bool] = []
+    what = "deadline" if allow_shrink else "missing"
+
+    def close() -> None:
+        with closing:
+            if woke:
+                return
+            count = store.add(f"{base}/count", 0)
+            seen.append(bytes(store.compare_set(f"{base}/closed", "", f"{what}:{count}")))
+
+    if gone:
+        # This rank saw ranks go (their connections closed, no answer to the ring): the round
+        # closes as soon as every other rank is in, not at the deadline. Polled, briefly: the
+        # others are on their way. (A presumed-gone rank that turns up after all is left out,
+        # as at a deadline.)
+        while not seen and current_time() < deadline:
+            if store.check([f"{base}/closed"]):
+                break
+            if store.add(f"{base}/count", 0) >= st.size - len(gone):
+                close()
+                break
+            time.sleep(0.005)
+        if not seen and not store.check([f"{base}/closed"]):
+            close()
+    elif not keywait.wait_key(store, f"{base}/closed", deadline, close):
+        raise StoreUnanswered("nobody could close the recovery agreement: the store is failing")
+    with closing:
+        woke.append(True)
+    return n, seen[0] if seen else bytes(store.get(f"{base}/closed"))
+
+
 # How long the members wait for an arrival counted but not yet in the member list (it added
 # itself, then appends: microseconds apart unless it died in between).
 APPEND_SECONDS = 0.5
@@ -786,10 +851,10 @@ def _members(store: Any, base: str, final: int) -> list[int]:
 
 
 def _counted(decision: bytes) -> int:
-    """The count a deadline's closer fixed ("deadline:COUNT"); 0 for anything else (a value not
-    fastdist's: nobody is counted in, and recovery says so)."""
+    """The count a deadline's closer fixed ("deadline:COUNT" or "missing:COUNT"); 0 for anything
+    else (a value not fastdist's: nobody is counted in, and recovery says so)."""
     what, _, count = decision.partition(b":")
-    return int(count) if what == b"deadline" and count.isdigit() else 0
+    return int(count) if what in (b"deadline", b"missing") and count.isdigit() else 0
 
 
 _ARRIVAL = re.compile(rb"^(\d+):(\d+)$", re.MULTILINE)
@@ -807,9 +872,11 @@ def _keys_of_generation(st: pgstate.GroupState, gen: int) -> list[str]:
     timeout and recovery (gloo's own keys go in _forget_connections)."""
     if gen < 0:
         return []
-    rec = keys.key("recover", st.name, gen)
+    key = keys.key("recover", st.name)
     diag = keys.key("diag", st.name, gen)
-    return [f"{rec}/{k}" for k in ("count", "members", "closed")] + [
+    # Every round this process saw (a process that joined later knows only of the first).
+    rounds = [_round(key, gen, turn) for turn in range(_rounds.pop((st.name, gen), 0) + 1)]
+    return [f"{base}/{k}" for base in rounds for k in ("count", "members", "closed")] + [
         f"{diag}/{k}"
         for k in ("fault", "status", "count", "complete", "summary")
         + tuple(f"taker/{t}" for t in range(1, board.TAKER_TURNS + 1))
