@@ -29,6 +29,7 @@ def rdzv_init(ctx) -> None:
         ctx.record(
             "rdzv_timeout",
             elapsed=time.monotonic() - t0,
+            raised_at=time.time(),
             missing=e.missing_ranks,
             joined=e.joined,
             message=str(e),
