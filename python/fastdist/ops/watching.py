@@ -56,8 +56,7 @@ _orig_register_backend = ProcessGroup._register_backend
 
 
 def _register_backend(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
-    watched_type = backend_type in _WATCHED_TYPES or isinstance(backend, _watched.NcclDouble)
-    if _active and not isinstance(backend, WatchedBackend) and watched_type:
+    if _active and not isinstance(backend, WatchedBackend) and _watches(backend_type, backend):
         backend = _wrap(pg, device, backend_type, backend)
         if backend_type == ProcessGroup.BackendType.GLOO:
             # torch's C++ casts the backend registered as GLOO to ProcessGroupGloo (DDP's logger
@@ -68,6 +67,12 @@ def _register_backend(pg: Any, device: Any, backend_type: Any, backend: Any) -> 
                 pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
             backend_type = ProcessGroup.BackendType.CUSTOM
     return _orig_register_backend(pg, device, backend_type, backend)
+
+
+def _watches(backend_type: Any, backend: Any) -> bool:
+    """gloo and NCCL backends are watched, and a custom one of a polled kind (NCCL's CPU double:
+    pgstate.POLLED_BACKENDS names them)."""
+    return backend_type in _WATCHED_TYPES or backend.name() in pgstate.POLLED_BACKENDS
 
 
 _WATCHED_TYPES = {ProcessGroup.BackendType.GLOO}

@@ -42,7 +42,7 @@ from ..diagnostics import events, listener
 from ..errors import RecoveryError
 from ..groups import pgstate, registry
 from ..store import keys, keywait
-from . import joining, state_sync, wrappers
+from . import joining, reconcile, state_sync, wrappers
 from .recover import WORLD_CHANGED, hand_over, latest_key, lineage, rebuild_default, recover_joining
 
 logger = logging.getLogger(__name__)
@@ -286,6 +286,7 @@ def _grow(state: dict[str, Any] | None, deadline: float, *, newcomer: bool) -> b
     pgstate.release_finished()
     new_st = pgstate.state_of(new)
     hand_over(new, new_st, gen, state, [size], deadline)
+    reconcile.renumber(new_st)  # (the hand-over's sends were numbered on rank 0 only)
     if me == 0:
         store.set(world_key(), f"{epoch + 1}:{size + 1}")
         # The generation is used: a later recovery (or a replacement's) agrees on the next one.

@@ -438,22 +438,9 @@ def hand_over(
     further than the source before the group failed (they applied an update that it had not):
     they load its state too. Sharded state replicated along a mesh dimension (HSDP): each of those
     ranks gets its shards from a replica. Sharded state with a snapshot: every rank rolls back to
-    the snapshot instead. Afterwards every member numbers the group's ops from 1 again."""
-    _hand_over(pg, st, gen, state, joiners, deadline, snapshot, source, sorted(ahead or []))
-    reconcile.renumber(st)
-
-
-def _hand_over(
-    pg: Any,
-    st: pgstate.GroupState,
-    gen: int,
-    state: dict[str, Any] | None,
-    joiners: list[int],
-    deadline: float,
-    snapshot: PeerSnapshot | None,
-    source: int | None,
-    ahead: list[int],
-) -> None:
+    the snapshot instead. The caller then numbers the group's ops from 1 again on every member
+    (reconcile.renumber: the hand-over's sends are issued by some members only)."""
+    ahead = sorted(ahead or [])
     me = st.my_global_rank
     receivers = sorted({*joiners, *ahead})
     names = ", ".join(f"rank {r}" for r in receivers)
