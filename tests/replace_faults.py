@@ -4,7 +4,9 @@ tests/test_replace.py:
 - ``FAULT=joiner-mid-transfer``: the first replacement SIGKILLs itself after the state's header
   arrived, before the tensors (a marker file keeps the next one alive);
 - ``FAULT=spare-dies-waiting``: the spare SIGKILLs itself 1 s after its start, while it waits for
-  a rank in init_process_group.
+  a rank in init_process_group;
+- ``FAULT=agent-frozen``: the rank killed at ``--kill-step`` first SIGSTOPs the agent, which
+  hosts the job's store (a frozen or lost node): the live ranks must still raise in time.
 """
 
 from __future__ import annotations
@@ -38,5 +40,15 @@ if fault == "spare-dies-waiting":
     spares = int(os.environ.get("FASTDIST_SPARES", "0"))
     if int(os.environ["RANK"]) >= int(os.environ["WORLD_SIZE"]) - spares:
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+if fault == "agent-frozen":
+    real_kill = os.kill
+
+    def kill(pid: int, sig: int) -> None:
+        if pid == os.getpid() and sig == signal.SIGKILL:  # train_ddp's death mid-backward
+            real_kill(int(os.environ["FASTDIST_AGENT_PID"]), signal.SIGSTOP)
+        real_kill(pid, sig)
+
+    os.kill = kill
 
 train_ddp.main()

@@ -234,6 +234,45 @@ def test_a_spare_that_dies_waiting_is_not_promoted(reference: Path, tmp_path: Pa
     assert compare(str(reference), str(tmp_path / "deadspare"), 3) <= 1e-6
 
 
+def test_the_agent_frozen_then_a_worker_killed_the_live_ranks_raise_typed_in_time(tmp_path: Path) -> None:
+    """The agent, which hosts the job's store, SIGSTOPped, then rank 1 SIGKILLed mid-backward: the
+    live ranks' step (fail_after(3)) raises a FastdistError within its deadline and the store's
+    grace, saying the store cannot be reached, instead of sitting in a store call for a minute
+    (or raising torch's untyped DistNetworkError, as when the store's node is lost)."""
+    out, events = tmp_path / "frozen", tmp_path / "events"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "fastdist.run", "--master-addr", "127.0.0.1", "--master-port"]
+    cmd += [str(free_port()), "--nproc-per-node", "3", str(ROOT / "tests" / "replace_faults.py")]
+    cmd += [
+        "--steps",
+        "40",
+        "--out",
+        str(out),
+        "--events",
+        str(events),
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "5",
+    ]
+    log = tmp_path / "log"
+    with log.open("wb") as f:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "FAULT": "agent-frozen"}
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        kill = _wait_for(events, lambda e: e["event"] == "kill", 1, 90)[0]
+        failed = _wait_for(events, lambda e: e["event"] == "failed", 2, 30)
+        text = log.read_text(errors="replace")
+        assert sorted(e["rank"] for e in failed) == [0, 2], text
+        for e in failed:
+            assert e["time"] - kill["time"] < 3.0 + 2.5 + 2.0, (e, kill, text)  # deadline + grace + load
+        for r in (0, 2):
+            line = text.split(f"rank {r}: step 5 failed: ", 1)[1].splitlines()[0]
+            assert "the job's store" in line and "cannot be reached" in line, line
+    finally:
+        kill_sessions([proc])
+
+
 def _events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

@@ -64,6 +64,13 @@ def store_gone_reason() -> str:
     )
 
 
+def note_store_failure(exc: BaseException) -> None:
+    """Keeps what a failed store operation said, for :func:`store_gone_reason`."""
+    global store_failure
+    text = str(exc).strip()
+    store_failure = text.splitlines()[0] if text else type(exc).__name__
+
+
 # A rank's status record: what report() writes, and checks before it believes one.
 _STATUS_FIELDS: dict[str, type | tuple[type, ...]] = {
     "rank": int,
@@ -377,8 +384,7 @@ def report(
         # A store cut off by the network would hold this rank here for minutes: bounded.
         summary = bounded(work, span + SUMMARY_SECONDS + GRACE_SECONDS, "the report's store work")
     except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
-        global store_failure
-        store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        note_store_failure(exc)
         logger.warning(
             "rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, store_failure
         )

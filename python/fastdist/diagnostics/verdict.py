@@ -15,6 +15,7 @@ from ..errors import CollectiveTimeoutError, GroupAbortedError
 from ..groups import pgstate
 from ..groups.opcall import OpCall
 from ..store import job
+from ..store.bounded import GRACE_SECONDS
 from . import board
 
 # How long it waits for fastdist run's record of a death (its agent polls every 0.1 s).
@@ -78,7 +79,16 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
     started_wall = time.time() - (current_time() - start)
     # Under fastdist run the agent records a death within its monitor interval: a dead rank is
     # named at once, with how it ended, instead of waited for by the report.
-    dead = job.deaths_since(started_wall, st.global_ranks or [], DEATH_WAIT)
+    try:
+        bound = deadline - current_time() + GRACE_SECONDS if math.isfinite(deadline) else math.inf
+        dead = job.deaths_since(started_wall, st.global_ranks or [], DEATH_WAIT, bound)
+    except Exception as exc:  # noqa: BLE001 - the store lives in an agent, frozen or gone with its node
+        # The report would wait behind the unanswered call (a store client serializes its calls):
+        # the error says the store is gone, now, as the report's own failure would.
+        board.note_store_failure(exc)
+        reason = f"{board.store_gone_reason()}; {op} #{seq} failed: {text}"
+        pgstate.mark_dead(pg, reason, replace=True)
+        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     if dead:
         who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
         # The ranks not connected to the dead one would wait for their deadline: ring them.

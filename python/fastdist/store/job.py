@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 from . import keys
+from .bounded import GRACE_SECONDS, bounded
 
 RUNNING = "running"
 END = "end"
@@ -52,25 +55,34 @@ def set_job_store(store: Any) -> None:
     _job_store = store
 
 
-def deaths_since(since: float, ranks: list[int], wait: float) -> dict[int, str]:
+def deaths_since(since: float, ranks: list[int], wait: float, bound: float = math.inf) -> dict[int, str]:
     """How each of ``ranks`` that died at or after ``since`` (a time.time()) ended, as
     ``fastdist run``'s agent recorded it ("exit by SIGKILL"), waiting up to ``wait`` seconds for
     a record (the agent sees a death within its monitor interval, 0.1 s by default). Empty
-    without such a launcher."""
+    without such a launcher.
+
+    The store lives in an agent, which may be frozen or gone with its node: the store work is
+    bounded (``wait`` plus :data:`~fastdist.store.bounded.GRACE_SECONDS`, and at most ``bound``
+    seconds), and a store that does not answer raises
+    :class:`~fastdist.store.bounded.StoreUnanswered`; one that fails raises what torch raised."""
     store = _job_store
     if store is None or os.environ.get(LAUNCHER_ENV) != "1":
         return {}
-    end = time.monotonic() + wait
-    while True:
-        found: dict[int, str] = {}
-        if store.check([deaths_key()]):
-            for line in bytes(store.get(deaths_key())).decode(errors="replace").splitlines():
-                rec: Any = keys.parse_record(line, _DEATH_FIELDS)
-                if rec is not None and rec["rank"] in ranks and rec["time"] >= since - 1.0:
-                    found[rec["rank"]] = rec["how"]
-        if found or time.monotonic() >= end:
-            return found
-        time.sleep(0.02)
+
+    def work(abandoned: threading.Event) -> dict[int, str]:
+        end = time.monotonic() + wait
+        while True:
+            found: dict[int, str] = {}
+            if store.check([deaths_key()]):
+                for line in bytes(store.get(deaths_key())).decode(errors="replace").splitlines():
+                    rec: Any = keys.parse_record(line, _DEATH_FIELDS)
+                    if rec is not None and rec["rank"] in ranks and rec["time"] >= since - 1.0:
+                        found[rec["rank"]] = rec["how"]
+            if found or time.monotonic() >= end or abandoned.is_set():
+                return found
+            time.sleep(0.02)
+
+    return bounded(work, min(wait + GRACE_SECONDS, max(bound, 0.0)), "reading the launcher's death records")
 
 
 def die_with_agent() -> None:
