@@ -5,6 +5,8 @@ tests/test_replace.py:
   arrived, before the tensors (a marker file keeps the next one alive);
 - ``FAULT=spare-dies-waiting``: the spare SIGKILLs itself 1 s after its start, while it waits for
   a rank in init_process_group;
+- ``FAULT=dies-in-init``: rank 1's first process SIGKILLs itself as it enters torch's
+  init_process_group (a marker file keeps the next one alive);
 - ``FAULT=agent-frozen``: the rank killed at ``--kill-step`` first SIGSTOPs the agent, which
   hosts the job's store (a frozen or lost node): the live ranks must still raise in time.
 """
@@ -40,6 +42,18 @@ if fault == "spare-dies-waiting":
     spares = int(os.environ.get("FASTDIST_SPARES", "0"))
     if int(os.environ["RANK"]) >= int(os.environ["WORLD_SIZE"]) - spares:
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+if fault == "dies-in-init" and os.environ["RANK"] == "1":
+    marker = os.path.join(out, ".died-in-init")
+    original_init = dist.init_process_group
+
+    def init_process_group(*args: object, **kwargs: object) -> None:
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # before it has connected to anyone
+        original_init(*args, **kwargs)  # type: ignore[arg-type]
+
+    dist.init_process_group = init_process_group
 
 if fault == "agent-frozen":
     real_kill = os.kill

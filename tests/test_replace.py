@@ -273,6 +273,22 @@ def test_the_agent_frozen_then_a_worker_killed_the_live_ranks_raise_typed_in_tim
         kill_sessions([proc])
 
 
+def test_a_rank_dead_in_its_group_creation_is_taken_by_the_spare_in_the_first_start(
+    reference: Path, tmp_path: Path
+) -> None:
+    """Rank 1 SIGKILLed as it enters init_process_group, a spare waiting: the others wait for rank 1
+    in torch's group creation, so the spare takes rank 1 there (not as a joiner waiting for a
+    hand-over nobody can give: that hung both for 600 s). The spare, rank 1 now, is killed at
+    step 5 in turn (the script's fault) and replaced by a joiner; the job trains to the end."""
+    rc, log = _faults(tmp_path / "init", "dies-in-init", "--nproc-per-node", "4", "--spares", "1")
+    assert rc == 0, log
+    assert "rank 1 goes to a waiting spare (local rank 3)" in log, log
+    assert "rank 1 (local rank 3" in log and "rank 1: replacement started" in log, log
+    assert log.count("joined the running job") == 1 and "rank 1: joined the running job at step 5" in log, log
+    assert log.count("done at step 12") == 3, log
+    assert compare(str(reference), str(tmp_path / "init"), 3) <= 1e-6
+
+
 def _events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

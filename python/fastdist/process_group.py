@@ -181,7 +181,11 @@ def init_process_group(
             os.environ["RANK"] = str(rank)
             if "ROLE_RANK" in os.environ:
                 os.environ["ROLE_RANK"] = str(rank)
-            joiner = True
+            # A rank that died before the job ran (in its group creation, say) leaves the others
+            # waiting for it there: the spare takes its place in that first start, as the rank's
+            # own process would have (a joiner would wait in sync_state for a hand-over nobody
+            # can give, the others in torch's group creation for it).
+            joiner = job.job_running(job_store)
         elif not lineage.get("started"):  # a process that made its groups before is no joiner
             joiner = job.job_running(job_store)
         world = growing.read_world(job_store)
