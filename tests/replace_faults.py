@@ -7,6 +7,8 @@ tests/test_replace.py:
   a rank in init_process_group;
 - ``FAULT=dies-in-init``: rank 1's first process SIGKILLs itself as it enters torch's
   init_process_group (a marker file keeps the next one alive);
+- ``FAULT=frozen``: the rank killed at ``--kill-step`` SIGSTOPs itself instead, mid-backward (a
+  hung process: the agent must kill it once the live ranks name it);
 - ``FAULT=agent-frozen``: the rank killed at ``--kill-step`` first SIGSTOPs the agent, which
   hosts the job's store (a frozen or lost node): the live ranks must still raise in time.
 """
@@ -55,12 +57,15 @@ if fault == "dies-in-init" and os.environ["RANK"] == "1":
 
     dist.init_process_group = init_process_group
 
-if fault == "agent-frozen":
+if fault in ("agent-frozen", "frozen"):
     real_kill = os.kill
 
     def kill(pid: int, sig: int) -> None:
         if pid == os.getpid() and sig == signal.SIGKILL:  # train_ddp's death mid-backward
-            real_kill(int(os.environ["FASTDIST_AGENT_PID"]), signal.SIGSTOP)
+            if fault == "frozen":
+                sig = signal.SIGSTOP
+            else:
+                real_kill(int(os.environ["FASTDIST_AGENT_PID"]), signal.SIGSTOP)
         real_kill(pid, sig)
 
     os.kill = kill

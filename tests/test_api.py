@@ -657,6 +657,8 @@ def test_init_twice_and_a_timeout_of_a_million_days(tmp_path: Any) -> None:
         (["--spares", "-1"], "--spares must be >= 0"),
         (["--max-restarts", "1"], "--max-restarts restarts every worker; use --max-replacements"),
         (["--node-wait", "0"], "--node-wait must be > 0"),
+        (["--kill-missing-after", "0"], "--kill-missing-after must be > 0 (inf: never)"),
+        (["--kill-missing-after", "nan"], "--kill-missing-after must be > 0 (inf: never)"),
         (["--nnodes", "2"], "several nodes need --rdzv-backend c10d --rdzv-endpoint HOST:PORT"),
         (
             ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--spares", "1"],

@@ -273,6 +273,23 @@ def test_the_agent_frozen_then_a_worker_killed_the_live_ranks_raise_typed_in_tim
         kill_sessions([proc])
 
 
+def test_a_frozen_worker_is_named_killed_and_replaced_and_the_model_is_exact(
+    reference: Path, tmp_path: Path
+) -> None:
+    """Rank 1 SIGSTOPs itself mid-backward at step 5 (a hung process, not a death): the live ranks
+    time out naming it, the agent names it with its process's state, kills it after
+    --kill-missing-after, and its replacement joins the live ranks' recovery; the step is redone
+    once (without the kill the job waits out three 60 s recoveries and fails)."""
+    rc, log = _faults(tmp_path / "frozen", "frozen", "--nproc-per-node", "3", "--kill-missing-after", "2")
+    assert rc == 0, log
+    said = "rank 1 (local rank 1, pid "
+    assert said in log and "did not answer rank " in log and "stopped (SIGSTOP or a debugger)" in log, log
+    assert "rank 1 (pid " in log and "still does not answer" in log and "killed, to be replaced" in log, log
+    assert "rank 1: replacement started" in log and "rank 1: joined the running job at step 5" in log, log
+    assert log.count("done at step 12") == 3, log
+    assert compare(str(reference), str(tmp_path / "frozen"), 3) <= 1e-6
+
+
 def test_a_rank_dead_in_its_group_creation_is_taken_by_the_spare_in_the_first_start(
     reference: Path, tmp_path: Path
 ) -> None:

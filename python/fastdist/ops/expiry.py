@@ -15,6 +15,7 @@ from ..diagnostics import board, verdict
 from ..errors import CollectiveTimeoutError
 from ..groups import pgstate
 from ..groups.opcall import OpCall
+from ..store import job
 from . import polled
 
 
@@ -47,4 +48,8 @@ def timed_out(
             cause = board.store_gone_reason()
     if late:
         cause = late + (f"; {cause}" if cause else "")
+    if rep is not None and rung_by is None:
+        silent = [r for r in rep.missing if r not in rep.stacks]  # never reached it, did not answer
+        if silent:  # fastdist run's agent kills a rank that stays silent (a frozen process)
+            job.name_missing(silent, st.my_global_rank, f"{call.name} on group {st.name!r}")
     return verdict.timeout_error(call, rep, cause)

@@ -44,7 +44,7 @@ from ..diagnostics import board, events, listener
 from ..errors import FastdistError, RecoveryError
 from ..groups import pgstate, registry
 from ..ops import polled
-from ..store import keys, keywait
+from ..store import job, keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded, stuck
 from . import joining, reconcile, state_sync, wrappers
 from .snapshot import PeerSnapshot, halt_all, load_into, newest_covering, own_copy, replicas
@@ -241,6 +241,8 @@ def _recover(
     store = lineage["root"] if is_default else st.store
     gen = st.generation + 1
     me = st.my_global_rank
+    if not joiner:
+        job.answering(me)  # fastdist run's agent must not kill a rank a peer named missing earlier
     if store is None:
         raise RecoveryError(
             group=st.name,

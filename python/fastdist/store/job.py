@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import sys
@@ -12,6 +14,8 @@ from typing import Any
 
 from . import keys
 from .bounded import GRACE_SECONDS, bounded
+
+logger = logging.getLogger(__name__)
 
 RUNNING = "running"
 END = "end"
@@ -40,6 +44,13 @@ def inboxes_key() -> str:
 def deaths_key() -> str:
     """Every death the launcher saw, one JSON record a line (rank, how, pid, time)."""
     return keys.key("deaths")
+
+
+def suspects_key() -> str:
+    """Ranks named missing by a live rank's timeout (they neither reached the op nor answered the
+    ring: dead, stopped or stuck hard), and ranks that answered since, one JSON record a line:
+    ``fastdist run``'s agent kills a rank that stays named (see fastdist.tools.launcher)."""
+    return keys.key("suspects")
 
 
 # Set by fastdist run in its workers' environment: a launcher that records deaths in the store.
@@ -83,6 +94,31 @@ def deaths_since(since: float, ranks: list[int], wait: float, bound: float = mat
             time.sleep(0.02)
 
     return bounded(work, min(wait + GRACE_SECONDS, max(bound, 0.0)), "reading the launcher's death records")
+
+
+def name_missing(ranks: list[int], by: int, what: str) -> None:
+    """Under ``fastdist run``: tells the agent that ``ranks`` did not answer rank ``by``'s timeout
+    of ``what`` ("all_reduce #43 on group 'default'"). Best effort, bounded: the caller's error
+    must not wait on a store that stopped answering."""
+    now = time.time()
+    _note([{"rank": r, "by": by, "what": what, "time": now} for r in ranks])
+
+
+def answering(rank: int) -> None:
+    """Under ``fastdist run``: ``rank`` is alive and answering (it entered recover()): a suspicion
+    of it from before is withdrawn."""
+    _note([{"rank": rank, "answering": True, "time": time.time()}])
+
+
+def _note(records: list[dict[str, Any]]) -> None:
+    store = _job_store
+    if store is None or os.environ.get(LAUNCHER_ENV) != "1" or not records:
+        return
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    try:
+        bounded(lambda _a: store.append(suspects_key(), text), GRACE_SECONDS, "telling the agent")
+    except Exception as exc:  # noqa: BLE001 - the store is failing: the error the caller raises says so
+        logger.debug("could not tell fastdist run's agent %s: %r", text.strip(), exc)
 
 
 def die_with_agent() -> None:

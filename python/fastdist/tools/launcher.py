@@ -25,11 +25,13 @@ and its launch (``torch.distributed.launcher.api.launch_agent``), with this agen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import errno
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -58,6 +60,12 @@ logger = logging.getLogger(__name__)
 # step end within about a second of each other, interpreter teardown on a loaded 2-core machine
 # included; a real death's replacement is delayed by this much, a SIGKILLed worker's not at all.
 SAME_ERROR_WINDOW = 3.0
+
+# A worker named missing by a live rank's timeout, silent since, is killed (and so replaced) after
+# this many seconds: the live ranks wait for it in recover() (the README's loop gives it 60 s).
+KILL_MISSING_AFTER = 10.0
+# How often the agent reads the workers' suspicions (one store read; the agent hosts the store).
+SUSPECTS_EVERY = 0.5
 
 
 @dataclass
@@ -144,6 +152,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         max_replacements: int = 3,
         spares: int = 0,
         link: nodes.NodeLink | None = None,
+        kill_missing_after: float = KILL_MISSING_AFTER,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -160,6 +169,10 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._replaced_errors: dict[int, tuple[int, str]] = {}  # rank -> its last replaced one
         self.story: list[str] = []
         self.showed_root_cause = False
+        self._kill_missing_after = kill_missing_after
+        self._started_at: dict[int, float] = {}  # local rank -> time.time() its process started
+        self._suspected: dict[int, float] = {}  # local rank -> when the agent first said so
+        self._suspects_read = 0.0  # time.monotonic() of the last read
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -249,6 +262,8 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         ctx = self._pcontext
         assert ctx is not None
         self._contexts[lr] = ctx
+        self._started_at[lr] = time.time()
+        self._suspected.pop(lr, None)
         return int(ctx.pids()[0])
 
     # -- stopping -------------------------------------------------------------------------------
@@ -293,6 +308,12 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 return verdict
         if self._raised:
             return self._settle_raised(worker_group) or RunResult(state=WorkerState.HEALTHY)
+        if (
+            math.isfinite(self._kill_missing_after)
+            and time.monotonic() - self._suspects_read >= SUSPECTS_EVERY
+        ):
+            self._suspects_read = time.monotonic()
+            self._kill_the_silent(worker_group)
         running = [lr for lr in self._contexts if self._contexts[lr].wait(0) is None]
         serving = [lr for lr in running if lr not in self._idle_spares]
         if not serving:
@@ -305,6 +326,53 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 done = {w.global_rank: None for w in worker_group.workers}
                 return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _kill_the_silent(self, worker_group: WorkerGroup) -> None:
+        """A worker of this node that a live rank's timeout named missing, and that has not
+        answered since (fastdist.store.job.suspects_key), is named in the story with its
+        process's state; still silent ``--kill-missing-after`` seconds later it is SIGKILLed, and
+        so replaced, while the live ranks wait for it in recover(). A process frozen for good
+        (SIGSTOP, a hung driver) would otherwise hold the job until their recovery fails."""
+        try:
+            store = self._job_store(worker_group)
+            if not store.check([job.suspects_key()]):
+                return
+            text = bytes(store.get(job.suspects_key())).decode(errors="replace")
+        except Exception as exc:  # noqa: BLE001 - the store is failing: the ranks' deadlines still hold
+            logger.warning("fastdist run: could not read the workers' suspicions: %r", exc)
+            return
+        latest: dict[int, dict[str, Any]] = {}  # rank -> its latest record
+        for line in text.splitlines():
+            rec: Any = keys.parse_record(line, {"rank": int, "time": (int, float)})
+            if rec is not None:
+                latest[rec["rank"]] = rec
+        for lr, rank in list(self._serves.items()):
+            rec = latest.get(rank)
+            ctx = self._contexts.get(lr)
+            if (
+                rec is None
+                or rec.get("answering")
+                or ctx is None
+                or rec["time"] < self._started_at.get(lr, 0.0)
+            ):
+                self._suspected.pop(lr, None)
+                continue
+            pid = int(ctx.pids()[0])
+            if lr not in self._suspected:
+                self._suspected[lr] = time.monotonic()
+                self._say(
+                    f"rank {rank} (local rank {lr}, pid {pid}) did not answer rank {rec.get('by')}'s "
+                    f"timeout of {rec.get('what')}: its process is {_process_state(pid)}; killed in "
+                    f"{self._kill_missing_after:g} s unless it answers (--kill-missing-after)"
+                )
+            elif time.monotonic() - self._suspected[lr] >= self._kill_missing_after:
+                self._say(
+                    f"rank {rank} (pid {pid}) still does not answer ({_process_state(pid)}): killed, "
+                    "to be replaced"
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                self._suspected[lr] = math.inf  # said and done: its death comes through ctx.wait
 
     def _tell_the_living(self, worker_group: WorkerGroup, store: Any, record: dict[str, Any]) -> None:
         """Puts the death in every other rank's fault inbox (fastdist.diagnostics.listener): on
@@ -416,6 +484,23 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         return RunResult(state=WorkerState.FAILED, failures={rank: failure})
 
 
+def _process_state(pid: int) -> str:
+    """What /proc says process ``pid`` is doing, in words."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone or unreadable"
+    return {
+        "T": "stopped (SIGSTOP or a debugger)",
+        "t": "stopped by a debugger",
+        "D": "in uninterruptible sleep (a driver or disk wait)",
+        "R": "running",
+        "S": "sleeping",
+        "Z": "a zombie",
+    }.get(state, f"in state {state}")
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     """torchrun's parser plus fastdist's flags."""
     from torch.distributed.run import get_args_parser as torchrun_parser
@@ -434,6 +519,14 @@ def get_args_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="the last N processes of --nproc-per-node hold no rank; each takes a dead rank's place",
+    )
+    parser.add_argument(
+        "--kill-missing-after",
+        type=float,
+        default=KILL_MISSING_AFTER,
+        help="a worker that a live rank's timeout named missing (it neither reached the op nor "
+        "answered: stopped, or stuck in the kernel or a driver) and that has not answered since is "
+        f"killed after this many seconds, and so replaced (default {KILL_MISSING_AFTER:.0f}; inf: never)",
     )
     parser.add_argument(
         "--node-wait",
@@ -516,6 +609,8 @@ def check_args(args: argparse.Namespace) -> tuple[int, int]:
         _refuse("--max-restarts restarts every worker; use --max-replacements")
     if not args.node_wait > 0:  # (NaN too)
         _refuse("--node-wait must be > 0")
+    if not args.kill_missing_after > 0:
+        _refuse("--kill-missing-after must be > 0 (inf: never)")
     _, max_nodes = _node_counts(str(args.nnodes))
     if max_nodes > 1:
         if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
@@ -564,7 +659,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def make_agent(*a: Any, **kw: Any) -> ReplacingAgent:
         agent = ReplacingAgent(
-            *a, max_replacements=args.max_replacements, spares=args.spares, link=link, **kw
+            *a,
+            max_replacements=args.max_replacements,
+            spares=args.spares,
+            link=link,
+            kill_missing_after=args.kill_missing_after,
+            **kw,
         )
         agents.append(agent)
         return agent
