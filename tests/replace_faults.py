@@ -9,6 +9,10 @@ tests/test_replace.py:
   init_process_group (a marker file keeps the next one alive);
 - ``FAULT=frozen``: the rank killed at ``--kill-step`` SIGSTOPs itself instead, mid-backward (a
   hung process: the agent must kill it once the live ranks name it);
+- ``FAULT=other-shape``: the replacement of the rank killed at ``--kill-step`` builds a model with
+  one layer more (a script that builds other objects on a joiner);
+- ``FAULT=dies-in-recover``: rank 2's first process SIGKILLs itself 0.5 s into its first
+  recover() (after rank 1's death at ``--kill-step``);
 - ``FAULT=agent-frozen``: the rank killed at ``--kill-step`` first SIGSTOPs the agent, which
   hosts the job's store (a frozen or lost node): the live ranks must still raise in time.
 """
@@ -56,6 +60,31 @@ if fault == "dies-in-init" and os.environ["RANK"] == "1":
         original_init(*args, **kwargs)  # type: ignore[arg-type]
 
     dist.init_process_group = init_process_group
+
+killed_marker = os.path.join(out, f".killed-{os.environ.get('TORCHELASTIC_RUN_ID', 'x')}")
+if fault == "other-shape" and os.path.exists(killed_marker):
+    import torch
+
+    real_sequential = torch.nn.Sequential
+
+    def sequential(*modules: torch.nn.Module) -> torch.nn.Module:
+        return real_sequential(*modules, torch.nn.Linear(4, 4))
+
+    torch.nn.Sequential = sequential  # type: ignore[misc,assignment]
+
+if fault == "dies-in-recover" and os.environ["RANK"] == "2":
+    import fastdist
+
+    recover_marker = os.path.join(out, ".died-in-recover")
+    real_recover = fastdist.recover
+
+    def recover(*args: object, **kwargs: object) -> object:
+        if not os.path.exists(recover_marker):
+            open(recover_marker, "w").close()
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return real_recover(*args, **kwargs)
+
+    fastdist.recover = recover
 
 if fault in ("agent-frozen", "frozen"):
     real_kill = os.kill

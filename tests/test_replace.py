@@ -290,6 +290,39 @@ def test_a_frozen_worker_is_named_killed_and_replaced_and_the_model_is_exact(
     assert compare(str(reference), str(tmp_path / "frozen"), 3) <= 1e-6
 
 
+def test_a_joiner_whose_state_has_another_shape_fails_typed_on_every_rank(tmp_path: Path) -> None:
+    """The replacement builds a model with one layer more: it raises RecoveryError saying what it
+    could not load, the live ranks' recover() fails too (they learn it in the hand-over's
+    all-reduce, rather than report success and wait for it in the next step), and the job ends
+    non-zero, the joiner's RecoveryError its last line, when no replacement is left."""
+    rc, log = _faults(tmp_path / "shape", "other-shape", "--nproc-per-node", "3", "--max-replacements", "1")
+    assert rc != 0, log
+    assert "this rank could not load the state the live ranks handed over: state['model']" in log, log
+    assert "load_state_dict: RuntimeError: Error(s) in loading state_dict" in log, log
+    for r in (0, 2):
+        assert f"rank {r}: recovery 1 failed: " in log, log
+        line = log.split(f"rank {r}: recovery 1 failed: ", 1)[1].splitlines()[0]
+        assert "rank 1 could not load the state handed over" in line, line
+    assert "[fastdist run] the job failed: RecoveryError: " in log, log  # fastdist's type, not torch's
+
+
+def test_a_worker_killed_inside_another_recovery_is_replaced_too(reference: Path, tmp_path: Path) -> None:
+    """Rank 1 dies at step 5; rank 2 is SIGKILLed 0.5 s into the recover() that follows, counted
+    into the new generation. The job failed (3 of 3) when that was so; now rank 2's replacement
+    takes its predecessor's place in that generation (the others wait for rank 2 in its rebuild:
+    a replacement that went on to the next one left them there until recover's 60 s deadline),
+    rank 0 recovers in one attempt, and the model equals an undisturbed run's."""
+    rc, log = _faults(tmp_path / "inrecover", "dies-in-recover", "--nproc-per-node", "3")
+    assert rc == 0, log
+    assert "rank 0: recovered in " in log and "recovery 1 failed" not in log, log
+    took = float(log.split("rank 0: recovered in ", 1)[1].split(" s", 1)[0])
+    assert took < 30.0, log
+    assert "rank 1 (local rank 1" in log and "rank 2 (local rank 2" in log, log
+    assert "rank 1: replacement started" in log and "rank 2: replacement started" in log, log
+    assert log.count("done at step 12") == 3, log
+    assert compare(str(reference), str(tmp_path / "inrecover"), 3) <= 1e-6
+
+
 def test_a_rank_dead_in_its_group_creation_is_taken_by_the_spare_in_the_first_start(
     reference: Path, tmp_path: Path
 ) -> None:

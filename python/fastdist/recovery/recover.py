@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .._native import _watched
@@ -74,8 +75,13 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
         timeout = get_default_timeout()
     pg = dist.distributed_c10d._get_default_group()
     st = pgstate.state_of(pg)
-    # The live ranks agree on the generation after the last one agreed: this rank's next.
-    st.generation = int(lineage["root"].add(latest_key(st.name), 0))
+    # The live ranks agree on the generation after the last one agreed: this rank's next. Unless
+    # the last one was agreed with the process this one replaces, which died before it went on
+    # to the rebuild: the others wait for this rank in that rebuild, and this process takes its
+    # place there.
+    latest = int(lineage["root"].add(latest_key(st.name), 0))
+    open_place = latest >= 1 and _place_open(lineage["root"], st, latest)
+    st.generation = latest - 1 if open_place else latest
     deadline = effective_deadline(timeout, current_time())
     while True:
         try:
@@ -479,21 +485,33 @@ def hand_over(
         )
     if source is None:
         source = joining.source_of(st.size, joiners)
+    problem = ""  # why a joiner could not load what it received
     try:
         if me in receivers:
             # A live rank receives into new tensors: its own state stays whole if the transfer
             # fails midway (it may be the source of the next attempt).
             received = state_sync.receive(source, pg, deadline, into=state if me in joiners else None)
+            if me in joiners and state is not None and received is not None:
+                problem = _load(state, received)
         else:
             received = None
             if me == source:
                 state_sync.send(state, receivers, pg, deadline)
-        # Every member learns whether the hand-over worked (a joiner that died mid-transfer fails
-        # the source's send, and this barrier everywhere else).
+        # Every member learns whether the hand-over worked: a joiner that died mid-transfer fails
+        # the source's send, and this all-reduce everywhere else; one that could not load the
+        # state (the script built other objects there) counts itself in.
         with fail_at(deadline):
-            dist.barrier(group=pg)
+            failed = torch.tensor([1 if problem else 0], dtype=torch.int32, device=state_sync.device_of(pg))
+            dist.all_reduce(failed, group=pg)
     except FastdistError as exc:
         raise fail(f"handing the state to {names} failed: {exc}") from None
+    if problem:
+        raise fail(f"this rank could not load the state the live ranks handed over: {problem}")
+    if int(failed.item()):
+        raise fail(
+            f"{names} could not load the state handed over (its objects differ from the live ranks': "
+            "the script builds another model or optimizer there); its own error says how"
+        )
     if state is None:
         raise fail(
             f"{names} joined in a dead rank's place, but recover() was called without state=: "
@@ -507,10 +525,10 @@ def hand_over(
         return
     if received is None:
         raise fail("the live ranks called recover() without state=: there is no state to load")
-    if set(received) != set(state):
-        raise fail(f"the live ranks' state has keys {sorted(received)}, this rank's {sorted(state)}")
-    for key, obj in state.items():
-        obj.load_state_dict(received[key])
+    if me not in joiners:  # (a joiner loaded it before the all-reduce)
+        problem = _load(state, received)
+        if problem:
+            raise fail(f"this rank could not load the state rank {source} handed over: {problem}")
     if me in ahead:
         logger.info(
             "rank %d: had got further than rank %d when the group failed (it may have applied an update "
@@ -524,6 +542,19 @@ def hand_over(
         )
     else:
         logger.info("rank %d: loaded the state of rank %d (generation %d)", me, source, gen)
+
+
+def _load(state: dict[str, Any], received: dict[str, Any]) -> str:
+    """Loads ``received`` into ``state``; "" or why it could not."""
+    if set(received) != set(state):
+        return f"the live ranks' state has keys {sorted(received)}, this rank's {sorted(state)}"
+    for key, obj in state.items():
+        try:
+            obj.load_state_dict(received[key])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            text = " ".join(str(exc).split())
+            return f"state[{key!r}].load_state_dict: {type(exc).__name__}: {text[:600]}"
+    return ""
 
 
 def _split(ahead: list[int], source: int | None) -> str:
@@ -682,7 +713,7 @@ def _agree(
     # The last generation agreed (set by one member of it), read as a counter: one operation,
     # 0 before the first recovery.
     latest = store.add(latest_key(st.name), 0)
-    if latest >= gen:
+    if latest > gen or (latest == gen and not joiner):  # (a joiner may take a dead rank's place)
         raise RecoveryError(
             group=st.name,
             rank=me,
@@ -703,11 +734,18 @@ def _agree(
             break
         turn += 1  # this round had failed before this rank came: the next one is open
     _rounds[(st.name, gen)] = turn
+    if decision == b"all" and n > st.size and joiner and not _went_past(store, base, me):
+        # Every place was taken before this rank counted in, its own by the process it replaces
+        # (killed inside recover() after it counted in), which died before it left the agreement:
+        # the others wait for this rank in the generation's rebuild, and this process takes the
+        # dead one's place there, as the joiner it is (listed above, before counting in).
+        store.append(f"{base}/past", f"{me}\n")
+        return [st.global_rank(r) for r in range(st.size)]
     if decision == b"all" and n > st.size:
-        # Every place was taken before this rank counted in: by a process that has died since (a
-        # rank killed inside recover() after it counted in; this rank may be its replacement). The
-        # others agreed the generation with it, and their rebuild fails on it: the generation is
-        # used up, and the next recover() agrees the next one.
+        # Every place was taken before this rank counted in: by a process that has died since,
+        # after it had gone on to the rebuild (or this rank is no replacement). The others agreed
+        # the generation with it, and their rebuild fails on it: the generation is used up, and
+        # the next recover() agrees the next one.
         raise GenerationTaken(
             group=st.name,
             rank=me,
@@ -741,6 +779,9 @@ def _agree(
         members = [st.global_rank(r) for r in range(st.size)]
     else:
         members = _members(store, base, final)
+    # This rank goes on to the rebuild: a process that replaces it from now on cannot take its
+    # place in this generation (the others may have connected to this one).
+    store.append(f"{base}/past", f"{me}\n")
     # The generation's housekeeping, shared out by arrival order (at most one operation each
     # from 10 members up): record it as the latest, and delete generation gen - 2's keys (gen - 1's
     # reports stay: a straggler of it, left out, reads them to learn that the others timed out
@@ -755,6 +796,31 @@ def _agree(
     except RuntimeError:  # a store without delete (FileStore): the keys stay
         pass
     return members
+
+
+def _place_open(store: Any, st: pgstate.GroupState, gen: int) -> bool:
+    """Whether generation ``gen`` was agreed with every rank, this one's too, by a process that
+    died before it went on to the rebuild (see recover_joining)."""
+    key = keys.key("recover", st.name)
+    for turn in range(_MAX_ROUNDS):
+        base = _round(key, gen, turn)
+        if not store.check([f"{base}/closed"]):
+            return False
+        decision = bytes(store.get(f"{base}/closed"))
+        if not decision.startswith(b"missing:"):
+            return decision == b"all" and not _went_past(store, base, st.my_global_rank)
+    return False
+
+
+# More failed rounds of one generation than a joiner looks through for the agreed one.
+_MAX_ROUNDS = 64
+
+
+def _went_past(store: Any, base: str, rank: int) -> bool:
+    """Whether ``rank``'s process had left the agreement at ``base`` for the rebuild."""
+    if not store.check([f"{base}/past"]):
+        return False
+    return str(rank) in bytes(store.get(f"{base}/past")).decode().split()
 
 
 class GenerationTaken(RecoveryError):
@@ -865,7 +931,7 @@ def _keys_of_generation(st: pgstate.GroupState, gen: int) -> list[str]:
     diag = keys.key("diag", st.name, gen)
     # Every round this process saw (a process that joined later knows only of the first).
     rounds = [_round(key, gen, turn) for turn in range(_rounds.pop((st.name, gen), 0) + 1)]
-    return [f"{base}/{k}" for base in rounds for k in ("count", "members", "closed")] + [
+    return [f"{base}/{k}" for base in rounds for k in ("count", "members", "closed", "past")] + [
         f"{diag}/{k}"
         for k in ("fault", "status", "count", "complete", "summary")
         + tuple(f"taker/{t}" for t in range(1, board.TAKER_TURNS + 1))
