@@ -304,6 +304,11 @@ def test_a_joiner_whose_state_has_another_shape_fails_typed_on_every_rank(tmp_pa
         line = log.split(f"rank {r}: recovery 1 failed: ", 1)[1].splitlines()[0]
         assert "rank 1 could not load the state handed over" in line, line
     assert "[fastdist run] the job failed: RecoveryError: " in log, log  # fastdist's type, not torch's
+    # The story says what the joiner raised, not that it "died".
+    assert (
+        "rank 1 (local rank 1, pid " in log
+        and "ended with an exception (exit code 1): RecoveryError\n" in log
+    ), log
 
 
 def test_a_worker_killed_inside_another_recovery_is_replaced_too(reference: Path, tmp_path: Path) -> None:

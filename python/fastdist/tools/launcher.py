@@ -411,7 +411,17 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         store.set(job.dead_key(rank), json.dumps(record))
         store.append(job.deaths_key(), json.dumps(record) + "\n")
         self._tell_the_living(worker_group, store, record)
-        self._say(f"rank {rank} (local rank {lr}, pid {failure.pid}) died: {how}")
+        if failure.exitcode > 0:
+            # Not a death: the process raised (a healthy rank whose recovery failed, say). Said as
+            # the type it raised, not as "died" (its message is shown once, further on).
+            said = error_line(failure).split(":", 1)[0].strip()
+            if traceback_of(failure) is None or not said.replace(".", "").isidentifier():
+                said = "no error file; its output above says why"
+            self._say(
+                f"rank {rank} (local rank {lr}, pid {failure.pid}) ended with an exception ({how}): {said}"
+            )
+        else:
+            self._say(f"rank {rank} (local rank {lr}, pid {failure.pid}) died: {how}")
         if failure.exitcode > 0:  # an exception: perhaps the script's own error (_settle_raised)
             self._raised.append(_Raised(time.monotonic(), lr, rank, failure))
             if self._replaced_errors.get(rank) == _error_of(failure):
