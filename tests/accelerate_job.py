@@ -9,7 +9,8 @@ window's first micro-batch are in ``.grad`` then). After each run it saves what 
 ``DIR/rank{R}-{run}.pt``.
 
 ``--kill`` (under ``fastdist run``): one step per accumulation window (both micro-batches in the
-step), the loop's position handed over with the model, and rank 2 SIGKILLs itself in the first
+step), a shuffled loader, the loop's position and the epoch's shuffle order
+(``fastdist.accelerate.LoaderState``) handed over with the model, and rank 2 SIGKILLs itself in the first
 micro-batch of window 3, once; the replacement joins with ``fastdist.sync_state``, skips the
 windows done with ``accelerator.skip_first_batches`` and trains on. No dropout: a replacement
 cannot draw the dead rank's masks. Runs ``undisturbed`` and ``killed`` (a replacement skips the
@@ -39,9 +40,9 @@ from torch.utils.data import DataLoader, TensorDataset
 STALL_RANK, STALL_STEP, STEPS, ACCUM = 2, 3, 20, 2
 
 
-def _prepared(dropout: float) -> tuple[Any, Any, Any, Any, Any]:
+def _prepared(dropout: float, shuffle: bool = False) -> tuple[Any, Any, Any, Any, Any]:
     """The group (timeout 77 s, through InitProcessGroupKwargs), the Accelerator and the prepared
-    model, optimizer, loader and scheduler."""
+    model, optimizer, loader (shuffled with ``shuffle``) and scheduler."""
     kwargs = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=77))
     fastdist.accelerate.init_process_group(kwargs)
     accelerator = Accelerator(cpu=True, kwargs_handlers=[kwargs], gradient_accumulation_steps=ACCUM)
@@ -53,7 +54,7 @@ def _prepared(dropout: float) -> tuple[Any, Any, Any, Any, Any]:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
-    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4, shuffle=shuffle)
     return accelerator, *accelerator.prepare(model, opt, loader, sched)
 
 
@@ -95,9 +96,12 @@ def train(stall: float) -> dict[str, Any]:
 
 def train_windows(kill: str | None) -> dict[str, Any]:
     """One fastdist step per accumulation window; ``kill``: the marker of rank 2's death."""
-    accelerator, model, opt, loader, sched = _prepared(0.0)
+    accelerator, model, opt, loader, sched = _prepared(0.0, shuffle=True)
     progress = Progress()  # optimizer steps done: one a window
-    state = {"model": model, "optim": opt, "sched": sched, "progress": progress}
+    # The loader's shuffle order in this epoch goes to a replacement with the model (without it,
+    # the replacement's iterator would broadcast Accelerate's RNG state alone).
+    data = fastdist.accelerate.LoaderState(loader)
+    state = {"model": model, "optim": opt, "sched": sched, "progress": progress, "data": data}
     joined = progress.step if fastdist.sync_state(state) else None  # a replacement: its step
     rank, losses = accelerator.process_index, []
     batches = iter(accelerator.skip_first_batches(loader, progress.step * ACCUM) if joined else loader)

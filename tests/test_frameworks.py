@@ -338,7 +338,10 @@ def _check_replaced_loop(out: Path, text: str) -> None:
 @pytest.mark.timeout(120)
 def test_accelerate_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) -> None:
     """One fastdist.accelerate.step per accumulation window (both micro-batches inside, each in
-    accumulate()); the replacement skips the windows done with accelerator.skip_first_batches."""
+    accumulate()), a shuffled loader; the replacement takes the epoch's order from the live ranks
+    (fastdist.accelerate.LoaderState in state=: its iterator broadcast Accelerate's RNG state
+    alone before, and every replacement died on it) and skips the windows done with
+    accelerator.skip_first_batches."""
     out = tmp_path / "out"
     out.mkdir()
     _check_replaced_loop(out, _launch(_fastdist_run("accelerate_job.py", out, "--kill"), 100))

@@ -25,7 +25,8 @@ single process whatever ``--num_processes`` says, with no RANK or WORLD_SIZE:
 :func:`init_process_group` refuses it, naming ``fastdist run --nproc-per-node N``.
 
 Which launcher replaces a dead worker: only ``fastdist run`` (with a step per accumulation window
-and ``state=``, see :func:`step`). torchrun and ``accelerate launch`` end the job when a worker
+and ``state=``, see :func:`step`; a shuffled loader's order goes in ``state`` as
+:class:`LoaderState`). torchrun and ``accelerate launch`` end the job when a worker
 dies, or with ``--max-restarts`` restart every worker; a stalled rank is recovered in place under
 any of them.
 """
@@ -55,6 +56,7 @@ def init_process_group(*kwargs_handlers: Any, backend: str | None = None) -> Non
     A group that exists already is left as it is."""
     from accelerate.utils import InitProcessGroupKwargs
 
+    _watch_epoch_starts()
     if torch.distributed.is_initialized():
         return
     _refuse_a_lone_cpu_launch()
@@ -128,6 +130,96 @@ def step(
         attempt, start, max_retries=retries, recover_timeout=recover_seconds, state=state
     )
     return result
+
+
+class LoaderState:
+    """A Stateful for ``state=`` that hands a joiner the shuffle order of an Accelerate data loader
+    (``shuffle=True``) in the epoch the live ranks are in::
+
+        state = {"model": model, "optim": opt, "progress": progress,
+                 "data": fastdist.accelerate.LoaderState(loader)}
+
+    Accelerate draws each epoch's order from a generator that every rank sets, as the epoch's
+    iterator starts, to rank 0's state (a ``broadcast``). A replacement that starts its iterator
+    mid-epoch (``skip_first_batches``) would issue that broadcast alone, and the job would fail
+    on it. This entry carries the states the live ranks' generators (and any other RNG in the
+    loader's ``rng_types``) were set to at the epoch's start; the joiner's first iterator takes
+    them instead of broadcasting, so it draws the live ranks' order and skips to their batch.
+    Later epochs broadcast on every rank again. Needs :func:`init_process_group` (it sets this
+    up). A loader without shuffling hands over nothing.
+
+    (Accelerate's ``use_seedable_sampler=True`` seeds each epoch's order from a fixed seed and
+    the epoch number, with no broadcast: such a loader needs no entry.)"""
+
+    def __init__(self, loader: Any) -> None:
+        if not hasattr(loader, "rng_types") or not hasattr(loader, "synchronized_generator"):
+            raise TypeError(
+                f"loader must be a data loader prepared by Accelerate (accelerator.prepare), got "
+                f"{type(loader).__name__}"
+            )
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        started = _epoch_starts.get(id(self.loader.synchronized_generator))
+        return {"epoch_start": dict(started) if started is not None else {}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if not isinstance(sd, dict) or not isinstance(sd.get("epoch_start"), dict):
+            raise TypeError(f"not a LoaderState's state_dict: {sd!r}")
+        gen = self.loader.synchronized_generator
+        if sd["epoch_start"] and id(gen) not in _synchronized:
+            # A process whose loader never started an epoch (a joiner): its first one takes these.
+            # A live rank that loads them (it had got further) is mid-epoch already: its next
+            # epoch broadcasts with the others.
+            _pending[id(gen)] = sd["epoch_start"]
+
+
+# Generator id -> the RNG states set at the start of its loader's current epoch; the generators
+# that started an epoch in this process; and states handed over for a first epoch.
+_epoch_starts: dict[int, dict[str, torch.Tensor]] = {}
+_synchronized: set[int] = set()
+_pending: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def _rng_state(rng_type: str, generator: Any) -> torch.Tensor:
+    return generator.get_state() if rng_type == "generator" else torch.get_rng_state()
+
+
+def _set_rng_state(rng_type: str, generator: Any, state: torch.Tensor) -> None:
+    # A tensor of its own: torch reads an RNG state from the start of its storage, and a state
+    # handed over is a view into the transfer's buffer ("Invalid mt19937 state", or a crash).
+    state = state.detach().to("cpu", torch.uint8).clone()
+    if rng_type == "generator":
+        generator.set_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def _watch_epoch_starts() -> None:
+    """Wraps the ``synchronize_rng_states`` Accelerate's loaders call as each epoch starts: it
+    records what they were set to (see :class:`LoaderState`), and on a joiner's first epoch sets
+    what the live ranks handed over instead of broadcasting."""
+    from accelerate import data_loader
+
+    real = data_loader.synchronize_rng_states
+    if getattr(real, "_fastdist", False):
+        return
+
+    def synchronize_rng_states(rng_types: Any, generator: Any = None) -> None:
+        names = [getattr(t, "value", t) for t in rng_types]
+        pending = _pending.pop(id(generator), None)
+        if pending is not None and set(pending) == {n for n in names if n in ("generator", "torch")}:
+            for name in names:
+                _set_rng_state(name, generator, pending[name])
+        else:
+            real(rng_types, generator)
+        _synchronized.add(id(generator))
+        _epoch_starts[id(generator)] = {
+            n: _rng_state(n, generator).clone() for n in names if n in ("generator", "torch")
+        }
+
+    synchronize_rng_states._fastdist = True  # type: ignore[attr-defined]
+    data_loader.synchronize_rng_states = synchronize_rng_states
 
 
 class _Start(StepStart):
