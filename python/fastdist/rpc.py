@@ -19,7 +19,6 @@ working. A graceful ``shutdown()`` on the callee waits for such calls, so fastdi
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import threading
@@ -226,6 +225,17 @@ def remote(
     return RRef(rref, to, func, start, deadline)
 
 
+# RPC shutdowns still running after their timeout, with that timeout: the exit waits for them.
+_lingering: list[tuple[threading.Thread, float]] = []
+
+
+def join_lingering() -> None:
+    """At exit (fastdist.shutdown): waits for each RPC shutdown that outlived its timeout, as long
+    again at most."""
+    for worker, seconds in _lingering:
+        worker.join(None if math.isinf(seconds) else seconds)
+
+
 def shutdown(graceful: bool = True, *, timeout: float = 10.0) -> bool:
     """Stops the RPC agent. A graceful shutdown waits for every worker and for calls still
     running here, including ones whose callers timed out long ago, so it is bounded by
@@ -251,7 +261,8 @@ def shutdown(graceful: bool = True, *, timeout: float = 10.0) -> bool:
             seconds,
         )
         # A call still running when the interpreter finalizes is killed inside torch, which can
-        # abort the process; so exit waits for it once more, as long again at most.
-        atexit.register(worker.join, None if math.isinf(seconds) else seconds)
+        # abort the process; so the exit (fastdist.shutdown) waits for it once more, as long again
+        # at most.
+        _lingering.append((worker, seconds))
         return False
     return True

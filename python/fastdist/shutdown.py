@@ -4,6 +4,8 @@ A thread of torch's or fastdist's that needs the GIL once the interpreter finali
 inside C++, and the process aborts ("terminate called without an active exception"). So before
 Python finalizes, everything that may still call back into it is let finish, in this order:
 
+- etcd lease keepalives stop (the lease then expires with its TTL), and RPC shutdowns that outlived
+  their timeout are waited for once more (fastdist.rpc.shutdown), when those modules were used;
 0. snapshot exchanges in flight (fastdist.PeerSnapshot's thread) count or fail: at most
    OPS_SECONDS;
 1. the fault listener stops (it would otherwise answer a ring during finalization);
@@ -23,6 +25,7 @@ Python finalizes, everything that may still call back into it is let finish, in 
 from __future__ import annotations
 
 import atexit
+import sys
 import time
 
 from .deadlines import flush_engine
@@ -42,6 +45,12 @@ SETTLE_SECONDS = 0.05
 def _at_exit() -> None:
     start = time.monotonic()
     end = start + EXIT_SECONDS
+    # By name, not imported: fastdist.rpc imports torch's RPC, which a job without it never loads.
+    etcd, rpc = sys.modules.get("fastdist.store.etcd"), sys.modules.get("fastdist.rpc")
+    if etcd is not None:
+        etcd.stop_keepalives()
+    if rpc is not None:
+        rpc.join_lingering()
     snapshot.wait_all(0.0 if watching.interrupted() else OPS_SECONDS)
     if watching.active():
         listener.stop()

@@ -24,7 +24,6 @@ Python over ``requests``, maintained, and with no gRPC or protobuf build to clas
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import os
@@ -252,6 +251,17 @@ def _seconds(timeout: Any, name: str = "timeout") -> float:
     return float(timeout)
 
 
+# Every lease keepalive thread started in this process: the exit stops them (stop_keepalives).
+_keepalives: list[_Keepalive] = []
+
+
+def stop_keepalives() -> None:
+    """At exit (fastdist.shutdown): every lease keepalive stops renewing; the lease then expires
+    with its TTL, as when the process dies."""
+    for keepalive in _keepalives:
+        keepalive.stopped.set()
+
+
 class _Keepalive(threading.Thread):
     """Refreshes the job's lease every ttl / 3 seconds while this process uses the store."""
 
@@ -329,7 +339,7 @@ class EtcdStore(dist.Store):
             lease_id = self._join_lease()
             keepalive = _Keepalive(self, lease_id, ttl)
             keepalive.start()
-            atexit.register(keepalive.stopped.set)
+            _keepalives.append(keepalive)  # stopped at exit (fastdist.shutdown)
             _lease = (lease_id, keepalive)
             with _live_lock:
                 _live.append(self)
