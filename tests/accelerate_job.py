@@ -1,4 +1,4 @@
-"""An Accelerate job as a user writes it, for tests/test_lightning.py's Accelerate test:
+"""An Accelerate job as a user writes it, for tests/test_frameworks.py's Accelerate tests:
 ``torchrun --nproc-per-node 3 tests/accelerate_job.py --out DIR``. CPU (gloo), DDP prepared by
 Accelerate, ``gradient_accumulation_steps=2`` under ``accelerator.accumulate``, dropout, a LR
 scheduler, and ``gather`` / ``wait_for_everyone`` outside the step.

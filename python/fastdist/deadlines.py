@@ -354,7 +354,7 @@ class RendezvousTimeout:
         heartbeat: float | datetime.timedelta | None = None,
     ) -> None:
         self._timeout = validate_seconds(timeout, "timeout")
-        # For fastdist.init_process_group's rendezvous (see fastdist.rendezvous.rendezvous):
+        # For fastdist.init_process_group's rendezvous (see fastdist.store.rendezvous.rendezvous):
         # how long ranks may join, extra time after the countdown, how often to look.
         self.join = None if join is None else validate_seconds(join, "join")
         self.last_call = None if last_call is None else validate_seconds(last_call, "last_call")

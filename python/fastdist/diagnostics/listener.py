@@ -2,7 +2,7 @@
 learns it at once, says where it is, and ends its own op on the group.
 
 Each process runs one listener thread (started by ``fastdist.init_process_group``) blocked on its
-own store connection in a pop from its inbox (fastdist.board.ring): an idle rank makes no
+own store connection in a pop from its inbox (fastdist.diagnostics.ring): an idle rank makes no
 wake-ups and no store traffic. A rung rank forwards the ring to its children, posts its status
 (the op it is in on that group, and the Python stack of the thread that issued it, or of its
 main thread when it is in none) to the group's board, then fails its ops in flight on the group
