@@ -43,9 +43,12 @@ loop's counters as they were when the step began, draws the epoch's batches up t
 accumulation window from its loader, and runs the window's earlier micro-batches itself (its
 strategy collectives local meanwhile: the live ranks ran theirs before the fault).
 
-``ModelParallelStrategy`` does the same for FSDP2 (``fully_shard`` in ``configure_model``); as
-FSDP2 communicates in every micro-batch, the window's earlier micro-batches, which Lightning runs
-outside the optimizer step, are bounded and redone one by one too.
+``ModelParallelStrategy`` does the same for FSDP2 (``fully_shard`` in ``configure_model``) for a
+stalled rank; as FSDP2 communicates in every micro-batch, the window's earlier micro-batches, which
+Lightning runs outside the optimizer step, are bounded and redone one by one too. A dead rank is
+not replaced under it, ``fastdist run`` or not: its shards exist on no live rank (fastdist's
+``PeerSnapshot`` is not wired into the strategy yet), so the replacement refuses to join, the live
+ranks' recovery fails and the job ends; restart it from a checkpoint.
 
 Works with the ``lightning`` package and with ``pytorch_lightning`` (>= 2.4): ``DDPStrategy`` is
 built on the one the program imported (``lightning`` when both or neither is imported yet);
