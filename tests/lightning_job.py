@@ -14,7 +14,9 @@ fit it saves what the test compares to ``DIR/rank{R}-accum{N}-{run}.pt``.
 ``--kill`` (under ``fastdist run``): rank 2 SIGKILLs itself at global step 7 instead (the second
 epoch: the training data shrinks to 5 optimizer steps an epoch, shuffled), once per accumulation
 setting, and the replacement ``fastdist run`` starts skips the fits its rank already finished.
-Without dropout: a replacement cannot draw the masks the dead rank would have.
+Without dropout: a replacement cannot draw the masks the dead rank would have. With ``--fsdp2``
+the strategy keeps a copy of each rank's shards on another rank (``snapshot_copies=1``), taken at
+every optimizer step's start, which the replacement gets.
 
     python -m fastdist.run --nproc-per-node 3 tests/lightning_job.py --out DIR --accum 1 2 --kill
 """
@@ -100,8 +102,9 @@ def fit(accum: int, stall: float, steps: int, fsdp2: bool = False, kill: str | N
     timeouts = {"step_timeout": 2, "collective_timeout": 30, "recover_timeout": 60}
     strategy: Any
     if fsdp2:
+        # --kill: a copy of each rank's shards on another rank, for the replacement.
         strategy = fastdist.lightning.ModelParallelStrategy(
-            data_parallel_size=3, tensor_parallel_size=1, **timeouts
+            data_parallel_size=3, tensor_parallel_size=1, snapshot_copies=1 if kill else 0, **timeouts
         )
     else:
         strategy = fastdist.lightning.DDPStrategy(**timeouts)
@@ -146,8 +149,17 @@ def main() -> None:
     p.add_argument("--accum", type=int, nargs="+", default=[1, 2])
     p.add_argument("--fsdp2", action="store_true", help="FSDP2: fastdist.lightning.ModelParallelStrategy")
     p.add_argument("--kill", action="store_true", help="rank 2 is SIGKILLed (under fastdist run)")
+    p.add_argument(
+        "--only",
+        choices=("undisturbed", "disturbed"),
+        default=None,
+        help="one of the two fits (FSDP2 under --kill: each fit makes groups of its own, which a "
+        "replacement that skips the first fit would not make; so each fit is a launch of its own)",
+    )
     args = p.parse_args()
     runs = (("undisturbed", 0.0), ("killed" if args.kill else "stalled", args.stall))
+    if args.only is not None:
+        runs = runs[:1] if args.only == "undisturbed" else runs[1:]
     rank = os.environ.get("RANK")
     for accum in args.accum:
         marker = os.path.join(args.out, f".killed-accum{accum}") if args.kill else None

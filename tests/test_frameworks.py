@@ -153,6 +153,35 @@ def test_trainer_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) -> 
                 assert abs(got["metrics"][key] - value) <= 1e-6, (where, key)
 
 
+@pytest.mark.timeout(150)
+def test_trainer_fsdp2_with_snapshot_copies_replaces_a_killed_worker(tmp_path: Path) -> None:
+    """ModelParallelStrategy(snapshot_copies=1), the model sharded with FSDP2: rank 2 SIGKILLs
+    itself at global step 7 (second epoch, shuffled); the replacement gets its predecessor's
+    shards from the copy another rank holds (taken at the step's start), every rank redoes step 7
+    from there, and the job ends equal to an undisturbed run (a launch of its own: each fit makes
+    groups of its own, see tests/lightning_job.py --only). Without the copies the replacement is
+    refused at set-up (test_an_fsdp2_replacement_is_refused_at_set_up)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    flags = ("--accum", "1", "--fsdp2", "--kill", "--only")  # (--kill: its data in both fits)
+    _launch(_fastdist_run("lightning_job.py", out, *flags, "undisturbed"), 120)
+    text = _launch(_fastdist_run("lightning_job.py", out, *flags, "disturbed"), 120)
+    started = _replacements(text)
+    assert len(started) == 1 and "rank 2:" in started[0], text[-4000:]
+    ref = torch.load(out / "rank0-accum1-undisturbed.pt", weights_only=False)
+    for rank in range(3):
+        clean = torch.load(out / f"rank{rank}-accum1-undisturbed.pt", weights_only=False)
+        got = torch.load(out / f"rank{rank}-accum1-killed.pt", weights_only=False)
+        if rank == 2:
+            assert got["joined_at"] == 7 and got["retries"] == 0, got["joined_at"]
+        else:
+            assert got["joined_at"] is None and got["retries"] == 1, rank
+        assert got["world"] == 3 and got["global_step"] == clean["global_step"] == 20, rank
+        assert _largest_difference(ref, clean) <= 1e-6 and _largest_difference(ref, got) <= 1e-6, rank
+        assert got["lr"] == clean["lr"] and got["scheduler"] == clean["scheduler"], rank
+        assert got["fit_loop"] == clean["fit_loop"], rank
+
+
 @pytest.mark.timeout(60)
 def test_strategy_arguments_and_both_lightning_packages() -> None:
     import fastdist.lightning as fl
@@ -203,6 +232,12 @@ def test_strategy_arguments_and_both_lightning_packages() -> None:
     )
     with pytest.raises(ValueError, match="step_timeout"):
         fl.ModelParallelStrategy(step_timeout=0)
+    with pytest.raises(TypeError, match="snapshot_copies must be an int"):
+        fl.ModelParallelStrategy(snapshot_copies="1")
+    with pytest.raises(ValueError, match="snapshot_copies must be >= 0"):
+        fl.ModelParallelStrategy(snapshot_copies=-1)
+    with pytest.raises(ValueError, match="snapshot_copies is for ModelParallelStrategy"):
+        fl.DDPStrategy(snapshot_copies=1)
 
 
 @pytest.mark.timeout(60)

@@ -45,10 +45,13 @@ strategy collectives local meanwhile: the live ranks ran theirs before the fault
 
 ``ModelParallelStrategy`` does the same for FSDP2 (``fully_shard`` in ``configure_model``) for a
 stalled rank; as FSDP2 communicates in every micro-batch, the window's earlier micro-batches, which
-Lightning runs outside the optimizer step, are bounded and redone one by one too. A dead rank is
-not replaced under it, ``fastdist run`` or not: its shards exist on no live rank (fastdist's
-``PeerSnapshot`` is not wired into the strategy yet), so the replacement refuses to join, the live
-ranks' recovery fails and the job ends; restart it from a checkpoint.
+Lightning runs outside the optimizer step, are bounded and redone one by one too. A dead rank's
+shards exist on no live rank: under ``fastdist run`` it is replaced only with
+``snapshot_copies=K`` (K >= 1; ``accumulate_grad_batches=1`` for now), which keeps a copy of each
+rank's part of the handed-over state on K other ranks (:class:`fastdist.PeerSnapshot`, taken at
+every optimizer step's start: one copy of the shards and an exchange a step, before the step
+runs); the replacement gets its predecessor's shards and every rank redoes the failed step.
+Without it the replacement refuses to join, the live ranks' recovery fails and the job ends.
 
 Works with the ``lightning`` package and with ``pytorch_lightning`` (>= 2.4): ``DDPStrategy`` is
 built on the one the program imported (``lightning`` when both or neither is imported yet);
@@ -189,8 +192,20 @@ class _Mixin(_Bounded):
         collective_timeout: float | datetime.timedelta | None = None,
         recover_timeout: float | datetime.timedelta = 60.0,
         max_retries: int = 3,
+        snapshot_copies: int = 0,
         **kwargs: Any,
     ) -> None:
+        if isinstance(snapshot_copies, bool) or not isinstance(snapshot_copies, int):
+            raise TypeError(f"snapshot_copies must be an int, got {type(snapshot_copies).__name__}")
+        if snapshot_copies < 0:
+            raise ValueError(f"snapshot_copies must be >= 0, got {snapshot_copies}")
+        if snapshot_copies and not self._fastdist_micro_batches:
+            raise ValueError(
+                "snapshot_copies is for ModelParallelStrategy (FSDP2): DDP's state is whole on every rank"
+            )
+        self._fastdist_snapshot_copies = snapshot_copies
+        self._fastdist_snapshot: Any = None
+        self._fastdist_snapshot_step: int | None = None
         self._fastdist_step_timeout = (
             None if step_timeout is None else positive_seconds(step_timeout, "step_timeout")
         )
@@ -234,14 +249,32 @@ class _Mixin(_Bounded):
                 "with manual optimization pass max_retries=0 and call fastdist.recover() in your step"
             )
         joiner = joining.is_pending()
-        if joiner and self._fastdist_micro_batches:
+        if joiner and self._fastdist_micro_batches and not self._fastdist_snapshot_copies:
             raise RuntimeError(
                 "fastdist.lightning.ModelParallelStrategy cannot bring a replacement of a dead rank up "
                 "to date: its FSDP2 shards exist nowhere else; the live ranks' recovery times out and "
-                "the job ends (use fastdist.lightning.DDPStrategy, or restart from a checkpoint)"
+                "the job ends (pass snapshot_copies=1 to keep copies on other ranks, use "
+                "fastdist.lightning.DDPStrategy, or restart from a checkpoint)"
             )
         super().setup(trainer)  # type: ignore[misc]
         self._fastdist_state = _handed_over(trainer)
+        if self._fastdist_snapshot_copies:
+            from .recovery.snapshot import PeerSnapshot
+
+            if trainer.accumulate_grad_batches > 1:
+                # A death in a window's earlier micro-batch comes before the step's snapshot: the
+                # job would roll back past the batches the loop has drawn.
+                raise ValueError(
+                    "ModelParallelStrategy(snapshot_copies=) needs accumulate_grad_batches=1 for now: "
+                    f"got {trainer.accumulate_grad_batches}"
+                )
+
+            # Made here on every process, a replacement too (it makes a group), and taken at the
+            # start of every optimizer step: a replacement gets its predecessor's shards as they
+            # were when the failed step began, and every rank redoes that step.
+            self._fastdist_snapshot = PeerSnapshot(
+                self._fastdist_state, every=1, copies=self._fastdist_snapshot_copies
+            )
         self._bound_sigterm_broadcast(trainer)
         if self._fastdist_micro_batches:
             self._bound_accumulating_micro_batches(trainer)
@@ -264,7 +297,8 @@ class _Mixin(_Bounded):
             del loop.advance  # back to the class's
             state = self._fastdist_state
             assert state is not None
-            sync_state(state, timeout=self._fastdist_recover_timeout)
+            # (With a snapshot, the live ranks check that it is the failed step's start.)
+            sync_state(state, timeout=self._fastdist_recover_timeout, snapshot=self._fastdist_snapshot)
             self._fastdist_catch_up_to = state["loop"].place(data_fetcher, self._fastdist_fabric)
             self.joined_at = trainer.global_step
             return loop.advance(data_fetcher)
@@ -352,12 +386,32 @@ class _Mixin(_Bounded):
             with fail_after(timeout):
                 return call()
 
+        snap = self._fastdist_snapshot
+        step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
+        if snap is not None and step not in (snap.latest(), snap.restored_step):
+            # The step's start, counted on every rank before the step runs (not again on a
+            # replacement that joined the live ranks' redo of this step: theirs was taken).
+            snap.take(step)
         return redo_after_fault(
             attempt,
             _StepStart(self, optimizer),
             max_retries=self._fastdist_max_retries,
             recover_timeout=self._fastdist_recover_timeout,
             state=self._fastdist_state,
+            snapshot=snap,
+            on_retry=None if snap is None else lambda: self._check_rolled_back(step),
+        )
+
+    def _check_rolled_back(self, step: int) -> None:
+        """After a recovery that rolled back to a snapshot: it must be the failed step's start
+        (the loop cannot go back further)."""
+        snap = self._fastdist_snapshot
+        if snap is None or snap.restored_step is None or snap.restored_step == step:
+            return
+        raise RuntimeError(
+            f"fastdist: the recovery rolled back to the snapshot of step {snap.restored_step}, and the "
+            f"loop is at step {step}: the snapshot of this step's start did not reach every rank (a "
+            "rank died while it was taken). Restart the job from a checkpoint"
         )
 
     # -- the training step -------------------------------------------------------------------

@@ -119,9 +119,11 @@ def redo_after_fault(
     group: Any = None,
     state: Any = None,
     on_retry: Callable[[], None] | None = None,
+    snapshot: Any = None,
 ) -> tuple[T, int]:
     """Runs ``attempt`` until it returns, recovering and restoring ``start`` after each fault;
-    returns its result and how many times it was redone."""
+    returns its result and how many times it was redone. ``snapshot``: a PeerSnapshot of
+    ``state`` taken at this step's start (a replacement of a dead rank then gets its shards)."""
     failures = 0
     while True:
         try:
@@ -142,7 +144,7 @@ def redo_after_fault(
             )
             # Put back first: a rank that joins in the recovery is handed the step's start.
             start.restore()
-            pg = recover(group, timeout=recover_timeout, state=state)
+            pg = recover(group, timeout=recover_timeout, state=state, snapshot=snapshot)
             done = reconcile.last(pg)
             if done is not None and done.split:
                 raise RuntimeError(_split_message(done)) from err
