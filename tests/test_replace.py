@@ -82,7 +82,8 @@ def test_dead_worker_is_replaced_and_the_model_equals_an_undisturbed_run(
         assert f"rank {r}: step 5 failed: " in log, log
         line = log.split(f"rank {r}: step 5 failed: ", 1)[1].splitlines()[0]
         assert "rank 1 is dead (exit by SIGKILL)" in line, line
-    assert compare(str(reference), str(tmp_path / "killed"), 3) <= 1e-6
+    # Bit for bit: the new reducers start from the buckets the live ranks' DDP had rebuilt.
+    assert compare(str(reference), str(tmp_path / "killed"), 3) == 0.0
 
 
 def test_the_nccl_path_replaces_a_dead_worker_too(reference: Path, tmp_path: Path) -> None:

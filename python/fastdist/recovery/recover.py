@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import re
 import threading
@@ -303,12 +304,17 @@ def _recover(
         wrappers.reset_fsdp()
         logger.info("rank %d: group %r rebuilt in place as generation %d", me, st.name, gen)
         joiners = _joiners(store, st, gen) if is_default else []
+        published: list[str] = []
         if joiners:
-            wrappers.fresh_ddp_reducers(groups)
+            layouts, published = _ddp_layouts(store, st, gen, groups, joiners, deadline)
+            wrappers.fresh_ddp_reducers(groups, layouts)
         _reconcile(pg, st, name, gen, state, snapshot, joiners, held, deadline)
         if joiners and me == joiners[0]:  # every member read the list before the hand-over's barrier
             with contextlib.suppress(RuntimeError):  # a store without delete keeps it
                 store.delete_key(_joiners_key(st, gen))
+        for key in published:  # every member read it before _reconcile's exchange
+            with contextlib.suppress(RuntimeError):
+                store.delete_key(key)
         for j in joiners:
             events.emit("replacement", me, st.name, gen, replaced_rank=j)
         events.emit(
@@ -373,6 +379,64 @@ def _joiners(store: Any, st: pgstate.GroupState, gen: int) -> list[int]:
     if not store.check([key]):
         return []
     return sorted({int(r) for r in bytes(store.get(key)).split()})
+
+
+def _ddp_layouts_key(st: pgstate.GroupState, gen: int, group_name: str) -> str:
+    return f"{keys.key('recover', st.name)}/{gen}/ddp/{group_name}"
+
+
+def _ddp_layouts(
+    store: Any,
+    st: pgstate.GroupState,
+    gen: int,
+    groups: list[Any],
+    joiners: list[int],
+    deadline: float,
+) -> tuple[dict[int, list[Any]], list[str]]:
+    """The gradient buckets of the DDP modules on each of ``groups`` as the lowest live rank of the
+    group has them (wrappers.ddp_layouts), for every member's new reducers: that rank writes its
+    own in the store under the generation's keys (for every group it is that rank of, with DDP
+    modules or not, so that no member waits for a key nobody writes), and the other members read
+    them. Every member then reduces the step after the recovery over the buckets an undisturbed
+    run has there. Returns them by ``id`` of the group, and the keys this rank wrote."""
+    me = st.my_global_rank
+    deadline = max(deadline, current_time() + RECONCILE_SECONDS)
+    layouts: dict[int, list[Any]] = {}
+    published: list[str] = []
+    for g in groups:
+        gst = pgstate.state_of(g)
+        live = [r for r in (gst.global_rank(i) for i in range(gst.size)) if r not in joiners]
+        if not live:  # every member joined anew: all start from DDP's first layout
+            continue
+        key = _ddp_layouts_key(st, gen, gst.name)
+        try:
+            if me == live[0]:
+                layouts[id(g)] = wrappers.ddp_layouts(g)
+                store.set(key, json.dumps(layouts[id(g)]))
+                published.append(key)
+                continue
+            if not wrappers.ddp_layouts_wanted(g):
+                continue
+            if not keywait.wait_key(store, key, deadline):
+                raise RecoveryError(
+                    group=st.name,
+                    rank=me,
+                    generation=gen,
+                    missing_ranks=None,
+                    reason=f"rank {live[0]} did not hand over the buckets of its DDP modules on group "
+                    f"{gst.name!r} before the deadline",
+                )
+            layouts[id(g)] = json.loads(bytes(store.get(key)))
+        except (RuntimeError, ConnectionError, ValueError) as exc:  # the store failing, or garbage
+            raise RecoveryError(
+                group=st.name,
+                rank=me,
+                generation=gen,
+                missing_ranks=None,
+                reason=f"handing over the buckets of the DDP modules on group {gst.name!r} failed: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}",
+            ) from None
+    return layouts, published
 
 
 def _reconcile(

@@ -4,17 +4,24 @@ leaves DDP's reducer waiting for a reduction that never finished, and FSDP2 mid-
 from __future__ import annotations
 
 import gc
+import itertools
+import logging
 import os
 import sys
+import threading
 import weakref
 from typing import Any
 
 from ..errors import FastdistError
 from ..groups import registry
 
+logger = logging.getLogger(__name__)
+
 # DistributedDataParallel modules on watched groups, so that recover() can reset their reducers
-# (a backward that failed leaves DDP waiting for a reduction that never finished).
-_ddp_modules: weakref.WeakSet[Any] = weakref.WeakSet()
+# (a backward that failed leaves DDP waiting for a reduction that never finished), each with its
+# place in the order they were made (a joiner's modules are matched with a live rank's by it).
+_ddp_modules: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_made = itertools.count()
 
 
 def track_ddp() -> None:
@@ -26,7 +33,7 @@ def track_ddp() -> None:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        _ddp_modules.add(self)
+        _ddp_modules[self] = next(_made)
 
     __init__._fastdist = True  # type: ignore[attr-defined]
     __init__.__doc__ = original.__doc__
@@ -88,26 +95,121 @@ def reset_ddp(old_groups: list[Any], replacement: Any | None = None) -> int:
     return n
 
 
-def fresh_ddp_reducers(groups: list[Any]) -> int:
+def _modules_on(group: Any) -> list[Any]:
+    """The DDP modules on ``group``, in the order this process made them."""
+    on = [(order, m) for m, order in list(_ddp_modules.items()) if getattr(m, "process_group", None) is group]
+    return [m for _, m in sorted(on, key=lambda om: om[0])]
+
+
+def ddp_layouts_wanted(group: Any) -> bool:
+    """Whether any DDP module is on ``group`` (whose new reducer wants a live rank's buckets)."""
+    return bool(_modules_on(group))
+
+
+def _signature(parameters: list[Any]) -> list[str]:
+    """What a layout's parameter indices refer to: each parameter's shape, dtype and device type."""
+    return [f"{tuple(p.shape)}:{p.dtype}:{p.device.type}" for p in parameters]
+
+
+def ddp_layouts(group: Any) -> list[dict[str, Any] | None]:
+    """The gradient buckets of every DDP module on ``group`` as its reducer has them now, in the
+    order the modules were made: for each, ``params`` (its parameters' signatures) and
+    ``buckets`` (lists of parameter indices, in the order they are reduced); None for a module
+    whose buckets cannot be read. After DDP's first iteration they are the buckets it rebuilt in
+    the order gradients came, which a new reducer does not know. (torch reads them out as zeroed
+    copies of the buckets: memory the size of the gradients, for a moment.)"""
+    out: list[dict[str, Any] | None] = []
+    for module in _modules_on(group):
+        try:
+            parameters, _ = module._build_params_for_reducer()
+            index = {id(p): i for i, p in enumerate(parameters)}
+            buckets = [
+                [index[id(p)] for p in bucket.parameters()]
+                for bucket in module.reducer._get_zeros_like_grad_buckets()
+            ]
+        except (AttributeError, KeyError, RuntimeError) as exc:
+            logger.debug("fastdist: the buckets of a DDP module cannot be read: %r", exc)
+            out.append(None)
+            continue
+        out.append({"params": _signature(parameters), "buckets": buckets})
+    return out
+
+
+def _buckets_of(layout: Any, parameters: list[Any]) -> list[list[int]] | None:
+    """``layout``'s buckets when they lay out exactly ``parameters`` (the same signatures, every
+    index once); else None."""
+    if not isinstance(layout, dict) or layout.get("params") != _signature(parameters):
+        return None
+    buckets = layout.get("buckets")
+    if not isinstance(buckets, list) or not all(isinstance(b, list) and b for b in buckets):
+        return None
+    flat = [i for b in buckets for i in b]
+    if sorted(flat) != list(range(len(parameters))) or not all(isinstance(i, int) for i in flat):
+        return None
+    return [list(b) for b in buckets]
+
+
+def fresh_ddp_reducers(groups: list[Any], layouts: dict[int, list[Any]] | None = None) -> int:
     """Gives every DDP module on one of ``groups`` a new reducer, as its constructor builds one
     (torch's own recipe, ``DistributedDataParallel.__setstate__``): a process that joined has
     a new DDP whose gradient buckets are laid out by parameter order, while the live ranks' were
     rebuilt in the order gradients came; an all-reduce over buckets laid out differently sums
     unrelated gradients. Afterwards every rank starts from the same layout, and rebuilds it the
-    same way after the next step. Returns how many were rebuilt."""
-    ids = {id(g) for g in groups}
+    same way after the next step. Returns how many were rebuilt.
+
+    ``layouts`` (by ``id`` of the group: what :func:`ddp_layouts` gave on one rank of it, the same
+    on every member): each module's new reducer gets the buckets of the module made in the same
+    place there, when they lay out the same parameters. With the buckets a live rank rebuilt,
+    every member reduces the next step as an undisturbed run does (gloo sums each element in an
+    order that depends on its offset in its bucket: other buckets, other float sums)."""
     n = 0
-    for module in list(_ddp_modules):
-        if id(getattr(module, "process_group", None)) not in ids:
-            continue
-        parameters, expect_sparse = module._build_params_for_reducer()
-        names = module._build_debug_param_to_name_mapping(parameters)
-        module._ddp_init_helper(parameters, expect_sparse, names, module.static_graph)
-        if module.static_graph:
-            module.reducer._set_static_graph()
-        module._has_rebuilt_buckets = False
-        n += 1
+    for group in groups:
+        given = (layouts or {}).get(id(group)) or []
+        for place, module in enumerate(_modules_on(group)):
+            parameters, expect_sparse = module._build_params_for_reducer()
+            names = module._build_debug_param_to_name_mapping(parameters)
+            layout = given[place] if place < len(given) else None
+            buckets = _buckets_of(layout, parameters) if layout is not None else None
+            if layout is not None and buckets is None:
+                logger.warning(
+                    "fastdist: DDP module %d on its group has other parameters than the same module on the "
+                    "rank that handed over its buckets: its reducer starts from DDP's first layout",
+                    place,
+                )
+            _init_reducer(module, parameters, expect_sparse, names, buckets)
+            if module.static_graph:
+                module.reducer._set_static_graph()
+            module._has_rebuilt_buckets = False
+            n += 1
     return n
+
+
+def _init_reducer(
+    module: Any, parameters: list[Any], expect_sparse: Any, names: Any, buckets: list[list[int]] | None
+) -> None:
+    """torch's ``_ddp_init_helper`` (a new reducer, logger and hooks) with ``buckets`` as the
+    bucket assignment, in the order they are reduced, instead of the one it computes (None: its
+    own). It takes the assignment from ``dist._compute_bucket_assignment_by_size`` and reverses
+    it, so that function answers with ``buckets`` reversed, for this thread and this call only."""
+    if buckets is None:
+        module._ddp_init_helper(parameters, expect_sparse, names, module.static_graph)
+        return
+    import torch.distributed as dist
+
+    compute = dist._compute_bucket_assignment_by_size
+    thread = threading.get_ident()
+    given = [list(b) for b in reversed(buckets)]
+
+    def assign(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != thread:
+            return compute(*args, **kwargs)
+        return given, [int(module.bucket_bytes_cap)] * len(given)
+
+    dist._compute_bucket_assignment_by_size = assign
+    try:
+        module._ddp_init_helper(parameters, expect_sparse, names, module.static_graph)
+    finally:
+        dist._compute_bucket_assignment_by_size = compute
 
 
 def reset_fsdp() -> int:
