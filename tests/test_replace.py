@@ -421,6 +421,50 @@ def test_a_dead_node_is_replaced_by_a_new_agent_and_the_live_nodes_workers_go_on
         kill_sessions(procs)
 
 
+def test_the_node_hosting_the_store_lost_is_told_as_a_node_and_the_other_ends(tmp_path: Path) -> None:
+    """Two agents as two nodes; node A (rank 0, and the agent that hosts the rendezvous store and
+    so the job's) is SIGKILLed with its worker. Node B's agent said nothing of the kind: it
+    crashed in a store call with torch's C++ traceback. It now says the node hosting the store is
+    lost, stops its workers and exits 1; its workers' errors are fastdist's, naming the store."""
+    out, events = tmp_path / "lost", tmp_path / "events"
+    out.mkdir()
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = {name: tmp_path / f"{name}.log" for name in "ab"}
+    try:
+        for name, nproc in (("a", 1), ("b", 2)):
+            cmd = [sys.executable, "-m", "fastdist.run", "--nnodes", "2:2", "--rdzv-backend", "c10d"]
+            cmd += [
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "lost",
+                "--nproc-per-node",
+                str(nproc),
+            ]
+            cmd += ["-m", "fastdist.examples.train_ddp", "--steps", "100000", "--out", str(out)]
+            cmd += ["--events", str(events)]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            with logs[name].open("wb") as f:
+                procs.append(
+                    subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                )
+            if name == "a":
+                _wait_for_port(port, 60)
+        _wait_for(events, lambda e: e["event"] == "step" and e["step"] >= 3, 3, 90)
+        os.killpg(procs[0].pid, signal.SIGKILL)  # node A: its agent (the store) and, with it, rank 0
+        assert procs[1].wait(90) == 1
+        text = logs["b"].read_text(errors="replace")
+        assert "does not answer" in text and "the node whose agent hosts it is lost" in text, text[-4000:]
+        assert "[fastdist run] the job failed: the node whose agent hosts the job's store" in text, text[
+            -4000:
+        ]
+        assert "frame #" not in text.split("[fastdist run] what happened:", 1)[1], text[-4000:]
+        assert "the job's store at" in text and "cannot be reached" in text, text[-4000:]  # the workers'
+    finally:
+        kill_sessions(procs)
+
+
 def _gone(pid: int, timeout: float) -> bool:
     """Whether process ``pid`` has ended (a zombie counts) within ``timeout`` seconds."""
     end = time.monotonic() + timeout

@@ -48,6 +48,7 @@ from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import start_processes
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from ..diagnostics import ring
 from ..store import job, keys
@@ -66,6 +67,11 @@ SAME_ERROR_WINDOW = 3.0
 KILL_MISSING_AFTER = 10.0
 # How often the agent reads the workers' suspicions (one store read; the agent hosts the store).
 SUSPECTS_EVERY = 0.5
+
+
+class StoreLost(Exception):
+    """The job's store stopped answering this agent: the node that hosts it is lost (main() says
+    so and exits 1; torch's ChildFailedError needs a failed worker of this node to name)."""
 
 
 @dataclass
@@ -173,6 +179,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._started_at: dict[int, float] = {}  # local rank -> time.time() its process started
         self._suspected: dict[int, float] = {}  # local rank -> when the agent first said so
         self._suspects_read = 0.0  # time.monotonic() of the last read
+        self._suspects_failed = False  # a read failed (said once)
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -296,7 +303,10 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._link is not None:
-            self._link.beat()
+            try:
+                self._link.beat()
+            except Exception as exc:  # noqa: BLE001 - torch's DistNetworkError and kin: the store is gone
+                return self._store_lost(worker_group, exc)
         for lr, ctx in list(self._contexts.items()):
             result = ctx.wait(0)
             if result is None or not result.is_failed():
@@ -339,7 +349,9 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 return
             text = bytes(store.get(job.suspects_key())).decode(errors="replace")
         except Exception as exc:  # noqa: BLE001 - the store is failing: the ranks' deadlines still hold
-            logger.warning("fastdist run: could not read the workers' suspicions: %r", exc)
+            if not self._suspects_failed:  # once: this runs every SUSPECTS_EVERY
+                self._suspects_failed = True
+                logger.warning("fastdist run: could not read the workers' suspicions: %r", exc)
             return
         latest: dict[int, dict[str, Any]] = {}  # rank -> its latest record
         for line in text.splitlines():
@@ -408,8 +420,11 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             return None
         rank = self._serves.pop(lr)
         record = {"rank": rank, "how": how, "pid": failure.pid, "time": time.time()}
-        store.set(job.dead_key(rank), json.dumps(record))
-        store.append(job.deaths_key(), json.dumps(record) + "\n")
+        try:
+            store.set(job.dead_key(rank), json.dumps(record))
+            store.append(job.deaths_key(), json.dumps(record) + "\n")
+        except Exception as exc:  # noqa: BLE001 - torch's DistNetworkError and kin: the store is gone
+            return self._store_lost(worker_group, exc, (rank, lr, failure))
         self._tell_the_living(worker_group, store, record)
         if failure.exitcode > 0:
             # Not a death: the process raised (a healthy rank whose recovery failed, say). Said as
@@ -428,6 +443,30 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 return self._script_error(worker_group, f"as the process it replaced did ({how})")
             return None
         return self._give_rank(worker_group, lr, rank, failure)
+
+    def _store_lost(
+        self, worker_group: WorkerGroup, exc: BaseException, ended: tuple[int, int, Any] | None = None
+    ) -> NoReturn:
+        """The job's store (or, with several nodes, the rendezvous store: the same agent hosts
+        both) does not answer: the node whose agent hosts it is lost. Without it nobody can
+        recover or join: the job ends, and the story says that a node went, rather than that this
+        node's ranks died of themselves. ``ended``: (rank, local rank, failure) of the worker whose
+        end was being recorded."""
+        where = f"{worker_group.master_addr}:{worker_group.master_port}"
+        if self._link is not None:
+            where = f"{self._link.endpoint} (the rendezvous endpoint)"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        said = ""
+        if ended is not None:
+            rank, lr, failure = ended
+            how = describe_exit(failure.exitcode)
+            said = f"rank {rank} (local rank {lr}, pid {failure.pid}) ended ({how}); "
+        self._say(
+            f"{said}the job's store at {where} does not answer ({first}): the node whose agent hosts it "
+            "is lost, and no rank can recover or join without it: stopping this node's workers"
+        )
+        self._stop_workers(worker_group)
+        raise StoreLost(f"the node whose agent hosts the job's store ({where}) is lost")
 
     def _settle_raised(self, worker_group: WorkerGroup) -> RunResult | None:
         """Exception exits: several within SAME_ERROR_WINDOW are the script's own error; one
@@ -687,6 +726,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(agent.showed_root_cause for agent in agents):
             why = "the script's own error (root cause above)"
         print(f"[fastdist run] the job failed: {why}", file=sys.stderr)
+        return 1
+    except StoreLost as exc:
+        print(f"[fastdist run] the job failed: {exc}", file=sys.stderr)
+        return 1
+    except RendezvousConnectionError as exc:
+        # torch's agent loop met the lost store first (its rendezvous polls it between our
+        # checks); its shutdown has stopped this node's workers.
+        where = f"{args.rdzv_endpoint} (the rendezvous endpoint)"
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        line = (
+            f"the job's store at {where} does not answer ({first}): the node whose agent hosts it is "
+            "lost, and no rank can recover or join without it: this node's workers were stopped"
+        )
+        if agents:
+            agents[-1]._say(line)
+        print(
+            f"[fastdist run] the job failed: the node whose agent hosts the job's store ({where}) is lost",
+            file=sys.stderr,
+        )
         return 1
     except DistNetworkError as exc:
         # Taken between check_args and the store's bind (torch says so in a traceback).
