@@ -110,7 +110,8 @@ def run_kill(args: argparse.Namespace) -> int:
     rc = launch("killed", "--kill-rank", "1", "--kill-step", "5", quiet=False)
     diff = compare(os.path.join(out, "reference"), os.path.join(out, "killed"), nproc)
     print(f"\nlauncher exit code {rc}; largest difference from the undisturbed run, over every rank's")
-    print(f"parameters and SGD momentum: {diff:.2e} ({'equal within 1e-6' if diff <= 1e-6 else 'NOT EQUAL'})")
+    verdict = "bit-identical" if diff == 0.0 else "equal within 1e-6" if diff <= 1e-6 else "NOT EQUAL"
+    print(f"parameters and SGD momentum: {diff:.2e} ({verdict})")
     return 0 if rc == 0 and diff <= 1e-6 else 1
 
 
