@@ -219,13 +219,15 @@ def test_the_agreement_gives_every_member_the_same_members_in_a_handful_of_opera
     assert time.monotonic() - start < 10  # not the deadline
     assert all(members == list(range(12)) for members, _ in out.values()), out
     ops = sorted(c.ops for _, c in out.values())
-    assert ops[-1] <= 6, ops  # latest, add, append, wait, the decision, one chore at most
+    # latest, add, append, wait, the decision, the rebuild marker (a replacement of a member that
+    # died before it can take its place: recover.py _went_past), one chore at most
+    assert ops[-1] <= 7, ops
 
     # Rank 4 gone, allow_shrink: the first deadline decides, and every member sees the same 11.
     out = _agree_all(12, 3, [r for r in range(12) if r != 4], 1.0, True, "b")
     expected = [r for r in range(12) if r != 4]
     assert all(members == expected for members, _ in out.values()), out
-    assert max(c.ops for _, c in out.values()) <= 9
+    assert max(c.ops for _, c in out.values()) <= 10  # (the rebuild marker: one more)
 
     # Without allow_shrink: every member is told who did not turn up.
     out = _agree_all(4, 1, [0, 1, 2], 1.0, False, "c")
