@@ -405,6 +405,16 @@ def _ddp_layouts(
     published: list[str] = []
     for g in groups:
         gst = pgstate.state_of(g)
+
+        def fail(why: str, gst: pgstate.GroupState = gst) -> RecoveryError:
+            return RecoveryError(
+                group=st.name,
+                rank=me,
+                generation=gen,
+                missing_ranks=None,
+                reason=f"handing over the buckets of the DDP modules on group {gst.name!r} failed: {why}",
+            )
+
         live = [r for r in (gst.global_rank(i) for i in range(gst.size)) if r not in joiners]
         if not live:  # every member joined anew: all start from DDP's first layout
             continue
@@ -418,24 +428,10 @@ def _ddp_layouts(
             if not wrappers.ddp_layouts_wanted(g):
                 continue
             if not keywait.wait_key(store, key, deadline):
-                raise RecoveryError(
-                    group=st.name,
-                    rank=me,
-                    generation=gen,
-                    missing_ranks=None,
-                    reason=f"rank {live[0]} did not hand over the buckets of its DDP modules on group "
-                    f"{gst.name!r} before the deadline",
-                )
+                raise fail(f"rank {live[0]} did not hand them over before the deadline")
             layouts[id(g)] = json.loads(bytes(store.get(key)))
         except (RuntimeError, ConnectionError, ValueError) as exc:  # the store failing, or garbage
-            raise RecoveryError(
-                group=st.name,
-                rank=me,
-                generation=gen,
-                missing_ranks=None,
-                reason=f"handing over the buckets of the DDP modules on group {gst.name!r} failed: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}",
-            ) from None
+            raise fail(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
     return layouts, published
 
 
