@@ -1,5 +1,7 @@
 """A real job: fastdist run, DDP example, rank 2 SIGKILLed in its backward at step 8 and rank 1
-SIGSTOPped for 5 s at the same moment (SIGCONT after); compared with an undisturbed run."""
+SIGSTOPped for STOP_SECONDS (default 5) at the same moment (SIGCONT after, if it still lives:
+past --kill-missing-after, 10 s, the agent kills and replaces it); compared with an undisturbed
+run. Usage: [STOP_SECONDS=30] python scripts/stop-and-kill-job.py OUT_DIR"""
 import json, os, signal, subprocess, sys, time, socket
 from pathlib import Path
 sys.path.insert(0, "/work/main/tests")
@@ -30,8 +32,10 @@ try:
                     print(f"SIGSTOP rank 1 (pid {pid}) {time.time()-t0:.2f} s after launch", flush=True)
                     break
         time.sleep(0.005)
-    time.sleep(5.0)
-    if stopped: os.kill(stopped, signal.SIGCONT); print("SIGCONT rank 1", flush=True)
+    time.sleep(float(os.environ.get("STOP_SECONDS", "5")))
+    if stopped:
+        try: os.kill(stopped, signal.SIGCONT); print("SIGCONT rank 1", flush=True)
+        except ProcessLookupError: print("rank 1 was killed while stopped", flush=True)
     rc = p.wait(120)
 finally:
     try: os.killpg(p.pid, signal.SIGKILL)

@@ -13,6 +13,9 @@ tests/test_replace.py:
   one layer more (a script that builds other objects on a joiner);
 - ``FAULT=dies-in-recover``: rank 2's first process SIGKILLs itself 0.5 s into its first
   recover() (after rank 1's death at ``--kill-step``);
+- ``FAULT=dies-and-freezes``: as rank 1 dies at ``--kill-step``, rank 2's first process SIGSTOPs
+  itself entering that step (its peers' step fails on the death, not on a timeout: the frozen
+  rank is named from the recovery, where it never comes);
 - ``FAULT=agent-frozen``: the rank killed at ``--kill-step`` first SIGSTOPs the agent, which
   hosts the job's store (a frozen or lost node): the live ranks must still raise in time.
 """
@@ -85,6 +88,23 @@ if fault == "dies-in-recover" and os.environ["RANK"] == "2":
         return real_recover(*args, **kwargs)
 
     fastdist.recover = recover
+
+if fault == "dies-and-freezes" and os.environ["RANK"] == "2":
+    import fastdist
+
+    freeze_marker = os.path.join(out, ".frozen")
+    kill_step = int(sys.argv[sys.argv.index("--kill-step") + 1])
+    real_fail_after = fastdist.fail_after
+    steps = [0]
+
+    def fail_after(*args: object, **kwargs: object) -> object:
+        if steps[0] == kill_step and not os.path.exists(freeze_marker):
+            open(freeze_marker, "w").close()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        steps[0] += 1
+        return real_fail_after(*args, **kwargs)
+
+    fastdist.fail_after = fail_after
 
 if fault in ("agent-frozen", "frozen"):
     real_kill = os.kill

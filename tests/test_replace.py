@@ -329,6 +329,21 @@ def test_a_worker_killed_inside_another_recovery_is_replaced_too(reference: Path
     assert compare(str(reference), str(tmp_path / "inrecover"), 3) == 0.0
 
 
+def test_a_death_and_a_freeze_at_once_both_are_replaced(reference: Path, tmp_path: Path) -> None:
+    """Rank 1 dies in its backward at step 5 while rank 2 SIGSTOPs itself entering that step: rank
+    0's step fails on the death, not a timeout, so rank 2 is named from the recovery it never comes
+    to (after 3 s), killed after --kill-missing-after and replaced, as is rank 1; the model is
+    exact (before, rank 0 waited out its recoveries and the job failed)."""
+    rc, log = _faults(
+        tmp_path / "both", "dies-and-freezes", "--nproc-per-node", "3", "--kill-missing-after", "2"
+    )
+    assert rc == 0, log
+    assert "rank 2 (local rank 2, pid " in log and "in the recovery of group 'default'" in log, log
+    assert "rank 1: replacement started" in log and "rank 2: replacement started" in log, log
+    assert log.count("done at step 12") == 3, log
+    assert compare(str(reference), str(tmp_path / "both"), 3) == 0.0
+
+
 def test_a_rank_dead_in_its_group_creation_is_taken_by_the_spare_in_the_first_start(
     reference: Path, tmp_path: Path
 ) -> None:

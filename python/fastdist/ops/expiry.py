@@ -9,8 +9,10 @@ handler stay with the caller, which knows who waits."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
+from ..deadlines import current_time
 from ..diagnostics import board, verdict
 from ..errors import CollectiveTimeoutError
 from ..groups import pgstate
@@ -51,5 +53,6 @@ def timed_out(
     if rep is not None and rung_by is None:
         silent = [r for r in rep.missing if r not in rep.stacks]  # never reached it, did not answer
         if silent:  # fastdist run's agent kills a rank that stays silent (a frozen process)
-            job.name_missing(silent, st.my_global_rank, f"{call.name} on group {st.name!r}")
+            began = time.time() - (current_time() - call.start)
+            job.name_missing(silent, st.my_global_rank, f"{call.name} on group {st.name!r}", began)
     return verdict.timeout_error(call, rep, cause)

@@ -94,6 +94,7 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
             if current_time() >= deadline:
                 raise
     joining.set_pending(False)
+    job.answering(dist.get_rank())  # a peer's timeout may have named this rank before it joined
     listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
     return True
 
@@ -269,11 +270,12 @@ def _recover(
             if is_default:
                 lineage["root"] = store
         # Bounded: a store cut off by the network would otherwise hold this rank for minutes.
-        members = bounded(
-            lambda abandoned: _agree(store, st, gen, deadline, allow_shrink, abandoned, joiner),
-            deadline - current_time() + GRACE_SECONDS,
-            "the recovery agreement's store work",
-        )
+        with _naming_the_absent(store, st, gen, joiner):
+            members = bounded(
+                lambda abandoned: _agree(store, st, gen, deadline, allow_shrink, abandoned, joiner),
+                deadline - current_time() + GRACE_SECONDS,
+                "the recovery agreement's store work",
+            )
     except GenerationTaken:
         pgstate.next_generation(st.name)
         st.generation = gen
@@ -979,6 +981,47 @@ def _arrivals(raw: bytes, upto: int) -> set[int]:
     """The global ranks among the first ``upto`` arrivals in a member list ("ORDER:RANK" lines).
     (Parsed by one regular expression: every member reads the whole list when a group shrinks.)"""
     return {int(rank) for order, rank in _ARRIVAL.findall(raw) if int(order) <= upto}
+
+
+# Under fastdist run, how long a live rank waits in the recovery agreement before it names the
+# ranks that have not come (stopped, hung, not a death the agent saw) to the agent, which kills
+# one that stays silent (--kill-missing-after) so that it is replaced.
+NAME_ABSENT_AFTER = 3.0
+
+
+@contextlib.contextmanager
+def _naming_the_absent(store: Any, st: pgstate.GroupState, gen: int, joiner: bool) -> Any:
+    """While the agreement of generation ``gen`` runs: after NAME_ABSENT_AFTER seconds, the ranks
+    not yet in its first round are named missing (fastdist.store.job.name_missing). A rank that
+    then enters recover() withdraws it (job.answering); a process that took the rank since is
+    not the one named."""
+    if joiner or not job.under_launcher():
+        yield
+        return
+    since = time.time()
+
+    def name() -> None:
+        def read(_abandoned: threading.Event) -> set[int]:
+            base = _round(keys.key("recover", st.name), gen, 0)
+            raw = store.get(f"{base}/members") if store.check([f"{base}/members"]) else b""
+            return _arrivals(bytes(raw), st.size)
+
+        try:
+            arrived = bounded(read, GRACE_SECONDS, "reading who came to the recovery")
+        except Exception as exc:  # noqa: BLE001 - the store is failing: the agreement's deadline holds
+            logger.debug("rank %d: could not read who came to the recovery: %r", st.my_global_rank, exc)
+            return
+        absent = [st.global_rank(r) for r in range(st.size) if st.global_rank(r) not in arrived]
+        if absent:
+            job.name_missing(absent, st.my_global_rank, f"the recovery of group {st.name!r}", since)
+
+    timer = threading.Timer(NAME_ABSENT_AFTER, name)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _keys_of_generation(st: pgstate.GroupState, gen: int) -> list[str]:

@@ -46,6 +46,11 @@ def deaths_key() -> str:
     return keys.key("deaths")
 
 
+def under_launcher() -> bool:
+    """Whether ``fastdist run``'s agent launched this process (and reads the job's records)."""
+    return _job_store is not None and os.environ.get(LAUNCHER_ENV) == "1"
+
+
 def suspects_key() -> str:
     """Ranks named missing by a live rank's timeout (they neither reached the op nor answered the
     ring: dead, stopped or stuck hard), and ranks that answered since, one JSON record a line:
@@ -96,17 +101,19 @@ def deaths_since(since: float, ranks: list[int], wait: float, bound: float = mat
     return bounded(work, min(wait + GRACE_SECONDS, max(bound, 0.0)), "reading the launcher's death records")
 
 
-def name_missing(ranks: list[int], by: int, what: str) -> None:
+def name_missing(ranks: list[int], by: int, what: str, since: float) -> None:
     """Under ``fastdist run``: tells the agent that ``ranks`` did not answer rank ``by``'s timeout
-    of ``what`` ("all_reduce #43 on group 'default'"). Best effort, bounded: the caller's error
-    must not wait on a store that stopped answering."""
+    of ``what`` ("all_reduce #43 on group 'default'"), an op that began at ``since`` (a
+    time.time()): a process that took one of those ranks after that is not the one that failed
+    to reach it. Best effort, bounded: the caller's error must not wait on a store that stopped
+    answering."""
     now = time.time()
-    _note([{"rank": r, "by": by, "what": what, "time": now} for r in ranks])
+    _note([{"rank": r, "by": by, "what": what, "since": since, "time": now} for r in ranks])
 
 
 def answering(rank: int) -> None:
-    """Under ``fastdist run``: ``rank`` is alive and answering (it entered recover()): a suspicion
-    of it from before is withdrawn."""
+    """Under ``fastdist run``: ``rank`` is alive and answering (it entered recover(), or joined the
+    job): a suspicion of it from before is withdrawn."""
     _note([{"rank": rank, "answering": True, "time": time.time()}])
 
 

@@ -176,7 +176,8 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self.story: list[str] = []
         self.showed_root_cause = False
         self._kill_missing_after = kill_missing_after
-        self._started_at: dict[int, float] = {}  # local rank -> time.time() its process started
+        # Local rank -> time.time() since when its process holds its rank (started, or promoted).
+        self._serving_since: dict[int, float] = {}
         self._suspected: dict[int, float] = {}  # local rank -> when the agent first said so
         self._suspects_read = 0.0  # time.monotonic() of the last read
         self._suspects_failed = False  # a read failed (said once)
@@ -269,7 +270,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         ctx = self._pcontext
         assert ctx is not None
         self._contexts[lr] = ctx
-        self._started_at[lr] = time.time()
+        self._serving_since[lr] = time.time()
         self._suspected.pop(lr, None)
         return int(ctx.pids()[0])
 
@@ -353,28 +354,36 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 self._suspects_failed = True
                 logger.warning("fastdist run: could not read the workers' suspicions: %r", exc)
             return
-        latest: dict[int, dict[str, Any]] = {}  # rank -> its latest record
+        # Per rank: its latest suspicion, and when it last answered. A suspicion counts only if
+        # the rank has not answered since the op it names began (a rank that was itself late, its
+        # deadline passed while it was stopped, names peers that have long since moved on).
+        suspicion: dict[int, dict[str, Any]] = {}
+        answered: dict[int, float] = {}
         for line in text.splitlines():
             rec: Any = keys.parse_record(line, {"rank": int, "time": (int, float)})
-            if rec is not None:
-                latest[rec["rank"]] = rec
+            if rec is None:
+                continue
+            if rec.get("answering"):
+                answered[rec["rank"]] = max(answered.get(rec["rank"], 0.0), float(rec["time"]))
+            else:
+                suspicion[rec["rank"]] = rec
         for lr, rank in list(self._serves.items()):
-            rec = latest.get(rank)
+            rec = suspicion.get(rank)
             ctx = self._contexts.get(lr)
             if (
                 rec is None
-                or rec.get("answering")
                 or ctx is None
-                or rec["time"] < self._started_at.get(lr, 0.0)
+                or _since(rec) < max(answered.get(rank, 0.0), self._serving_since.get(lr, 0.0))
             ):
-                self._suspected.pop(lr, None)
+                if self._suspected.pop(lr, math.inf) < math.inf:
+                    self._say(f"rank {rank} (local rank {lr}) answered: not killed")
                 continue
             pid = int(ctx.pids()[0])
             if lr not in self._suspected:
                 self._suspected[lr] = time.monotonic()
                 self._say(
-                    f"rank {rank} (local rank {lr}, pid {pid}) did not answer rank {rec.get('by')}'s "
-                    f"timeout of {rec.get('what')}: its process is {_process_state(pid)}; killed in "
+                    f"rank {rank} (local rank {lr}, pid {pid}) did not answer rank {rec.get('by')} in "
+                    f"{rec.get('what')}: its process is {_process_state(pid)}; killed in "
                     f"{self._kill_missing_after:g} s unless it answers (--kill-missing-after)"
                 )
             elif time.monotonic() - self._suspected[lr] >= self._kill_missing_after:
@@ -517,6 +526,8 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             spare = min(self._idle_spares)
             self._idle_spares.discard(spare)
             self._serves[spare] = rank
+            self._serving_since[spare] = time.time()
+            self._suspected.pop(spare, None)
             store.set(job.spare_key(worker_group.workers[spare].global_rank), str(rank))
             self._say(f"rank {rank} goes to a waiting spare (local rank {spare})")
             return None
@@ -531,6 +542,12 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._say(f"rank {rank}: no replacement left (--max-replacements spent): stopping the job")
         self._stop_workers(worker_group)
         return RunResult(state=WorkerState.FAILED, failures={rank: failure})
+
+
+def _since(rec: dict[str, Any]) -> float:
+    """When the op a suspicion record names began (its writing time, for a record without it)."""
+    since = rec.get("since")
+    return float(since) if isinstance(since, (int, float)) else float(rec["time"])
 
 
 def _process_state(pid: int) -> str:
