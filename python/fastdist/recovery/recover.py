@@ -198,12 +198,10 @@ def _one_at_a_time(pg: Any, deadline: float, attempt: Any) -> Any:
                     turns.outcome = (None, None)
             if not ok:
                 st = pgstate.state_of(pg)
-                raise RecoveryError(
-                    group=st.name,
-                    rank=st.my_global_rank,
-                    generation=st.generation + 1,
-                    missing_ranks=None,
-                    reason="another thread of this rank is recovering the group, and it did not finish "
+                raise _failed(
+                    st,
+                    st.generation + 1,
+                    "another thread of this rank is recovering the group, and it did not finish "
                     "within this call's timeout",
                 )
             if error is not None:
@@ -252,13 +250,7 @@ def _recover(
     if not joiner:
         job.answering(me)  # fastdist run's agent must not kill a rank a peer named missing earlier
     if store is None:
-        raise RecoveryError(
-            group=st.name,
-            rank=me,
-            generation=gen,
-            reason="the group has no store to agree through",
-            missing_ranks=None,
-        )
+        raise _failed(st, gen, "the group has no store to agree through")
 
     try:
         if stuck():
@@ -282,9 +274,7 @@ def _recover(
         raise
     except (RuntimeError, ConnectionError) as exc:  # dist.DistError and its kin: the store is gone
         board.store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RecoveryError(
-            group=st.name, rank=me, generation=gen, missing_ranks=None, reason=board.store_gone_reason()
-        ) from None
+        raise _failed(st, gen, board.store_gone_reason()) from None
     new_rank, new_size = members.index(me), len(members)
     pgstate.next_generation(st.name)
     # The agreed generation is used up, whatever happens next: if a member vanishes while the
@@ -409,12 +399,8 @@ def _ddp_layouts(
         gst = pgstate.state_of(g)
 
         def fail(why: str, gst: pgstate.GroupState = gst) -> RecoveryError:
-            return RecoveryError(
-                group=st.name,
-                rank=me,
-                generation=gen,
-                missing_ranks=None,
-                reason=f"handing over the buckets of the DDP modules on group {gst.name!r} failed: {why}",
+            return _failed(
+                st, gen, f"handing over the buckets of the DDP modules on group {gst.name!r} failed: {why}"
             )
 
         live = [r for r in (gst.global_rank(i) for i in range(gst.size)) if r not in joiners]
@@ -516,7 +502,7 @@ def hand_over(
     names = ", ".join(f"rank {r}" for r in receivers)
 
     def fail(reason: str) -> RecoveryError:
-        return RecoveryError(group=st.name, rank=me, generation=gen, reason=reason, missing_ranks=None)
+        return _failed(st, gen, reason)
 
     sharded = state_sync.sharded_entries(state) if state is not None else []
     held_twice = replicas(state) if sharded and state is not None else None
@@ -776,12 +762,8 @@ def _agree(
     # 0 before the first recovery.
     latest = store.add(latest_key(st.name), 0)
     if latest > gen or (latest == gen and not joiner):  # (a joiner may take a dead rank's place)
-        raise RecoveryError(
-            group=st.name,
-            rank=me,
-            generation=gen,
-            missing_ranks=None,
-            reason=f"the other ranks already rebuilt the group as generation {latest} without this rank",
+        raise _failed(
+            st, gen, f"the other ranks already rebuilt the group as generation {latest} without this rank"
         )
     if joiner:  # before counting in: whoever sees a round complete sees this too
         store.append(_joiners_key(st, gen), f"{me}\n")
@@ -821,21 +803,11 @@ def _agree(
     if count < st.size and (not allow_shrink or decision.startswith(b"missing:")):
         arrived = _arrivals(store.get(f"{base}/members"), count)
         missing = [st.global_rank(r) for r in range(st.size) if st.global_rank(r) not in arrived]
-        raise RecoveryError(
-            group=st.name,
-            rank=me,
-            generation=gen,
-            reason="not every rank turned up before the deadline",
-            missing_ranks=missing,
-        )
+        raise _failed(st, gen, "not every rank turned up before the deadline", missing)
     final = min(count, st.size)
     if n > final:
-        raise RecoveryError(
-            group=st.name,
-            rank=me,
-            generation=gen,
-            missing_ranks=None,
-            reason="this rank turned up after the others had closed the new generation without it",
+        raise _failed(
+            st, gen, "this rank turned up after the others had closed the new generation without it"
         )
     if final >= st.size:
         members = [st.global_rank(r) for r in range(st.size)]
@@ -883,6 +855,13 @@ def _went_past(store: Any, base: str, rank: int) -> bool:
     if not store.check([f"{base}/past"]):
         return False
     return str(rank) in bytes(store.get(f"{base}/past")).decode().split()
+
+
+def _failed(st: pgstate.GroupState, gen: int, reason: str, missing: list[int] | None = None) -> RecoveryError:
+    """The RecoveryError of recovering ``st``'s group as generation ``gen`` on this rank."""
+    return RecoveryError(
+        group=st.name, rank=st.my_global_rank, generation=gen, reason=reason, missing_ranks=missing
+    )
 
 
 class GenerationTaken(RecoveryError):
@@ -1055,13 +1034,7 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
         for backend in registry.backends_of(g):
             left = deadline - current_time()
             if left <= 0:
-                raise RecoveryError(
-                    group=gst.name,
-                    rank=gst.my_global_rank,
-                    generation=gen,
-                    missing_ranks=None,
-                    reason="the deadline passed while the groups were rebuilt",
-                )
+                raise _failed(gst, gen, "the deadline passed while the groups were rebuilt")
             prefix = dist.PrefixStore(keys.key(f"gen{gen}", gst.name, backend.name()) + "/", root)
             fresh = _fresh_backend(backend, prefix, min(left, 1e6), gst)
             backend.swap_inner(fresh)
@@ -1103,20 +1076,12 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: pgstate.GroupState)
         elif name == _watched.NcclDouble.NAME:  # the CPU double of NCCL (tests), over gloo
             fresh = _watched.NcclDouble(dist.ProcessGroupGloo(store, old.rank(), old.size(), td))
         else:
-            raise RecoveryError(
-                group=st.name,
-                rank=st.my_global_rank,
-                generation=st.generation + 1,
-                missing_ranks=None,
-                reason=f"cannot rebuild a {name} backend in place",
-            )
+            raise _failed(st, st.generation + 1, f"cannot rebuild a {name} backend in place")
     except RuntimeError as exc:  # a member vanished while the connections were made
-        raise RecoveryError(
-            group=st.name,
-            rank=st.my_global_rank,
-            generation=st.generation + 1,
-            missing_ranks=None,
-            reason=f"rebuilding the connections failed: {str(exc).strip().splitlines()[0]}",
+        raise _failed(
+            st,
+            st.generation + 1,
+            f"rebuilding the connections failed: {str(exc).strip().splitlines()[0]}",
         ) from None
     try:
         fresh._set_sequence_number_for_group()
