@@ -152,6 +152,8 @@ def recover(
     if state is not None:
         state = state_sync.check_state(state)
     _check_snapshot(snapshot, state)
+    if snapshot is not None:
+        snapshot.restored_step = None  # this recovery's roll-back, if any, sets it
     start = current_time()
     deadline = effective_deadline(timeout, start)
     if not isinstance(allow_shrink, bool):
