@@ -15,6 +15,13 @@ windows done from its loader and trains on. No dropout: a replacement cannot dra
 masks. Runs ``undisturbed`` and ``killed`` (a replacement skips the runs its rank finished).
 
     python -m fastdist.run --nproc-per-node 3 tests/fabric_job.py --out DIR --kill
+
+``--kill --fsdp2``: the same with FSDP2 (fastdist.lightning.FabricModelParallelStrategy,
+``fully_shard`` in its ``parallelize_fn``) and a ``fastdist.PeerSnapshot`` of each step's start
+taken by ``run_step``: the replacement gets its predecessor's shards from the copy rank 0 holds,
+every rank redoes window 3 from its start; rank 1 then stalls 3 s in window 6 (a recovery that
+rolls nothing back). The killed run comes first, so that every process (the replacement too)
+makes the same groups (each PeerSnapshot makes one).
 """
 
 from __future__ import annotations
@@ -116,15 +123,92 @@ def train_windows(fabric: Fabric, kill: str | None) -> dict[str, Any]:
     return result(fabric.global_rank, net, opt, sched.last_epoch, losses, joined=joined, pid=os.getpid())
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor().detach().clone()  # type: ignore[attr-defined]
+
+
+def train_fsdp2(fabric: Fabric, kill: str | None) -> dict[str, Any]:
+    """train_windows with FSDP2 and a PeerSnapshot of every step's start; ``kill`` also stalls
+    rank 1 in window 6."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = fabric.setup_module(net)  # fully_shard, in the strategy's parallelize_fn
+    fopt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    opt = fopt.optimizer
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
+    data = TensorDataset(x, x.sum(1, keepdim=True).sin())
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4))
+    progress = Progress()
+    state = {"model": net, "optim": opt, "sched": sched, "progress": progress}
+    snap = fastdist.PeerSnapshot(state, every=1, copies=1)
+    joined = progress.step if fastdist.sync_state(state, snapshot=snap) else None
+    batches = iter(loader)
+    for _ in range(progress.step * ACCUM):
+        next(batches)
+    losses, stalled = [], False
+    while progress.step < STEPS:
+        window = [next(batches) for _ in range(ACCUM)]
+
+        def step(window: list[Any] = window) -> torch.Tensor:
+            nonlocal stalled
+            for j, (xb, yb) in enumerate(window):
+                dies = kill and fabric.global_rank == STALL_RANK and progress.step == STALL_STEP and j == 0
+                if dies and not os.path.exists(kill):
+                    open(kill, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if kill and fabric.global_rank == 1 and progress.step == 6 and not stalled:
+                    stalled = True
+                    time.sleep(3)
+                with fabric.no_backward_sync(model, enabled=j < ACCUM - 1):
+                    loss = F.mse_loss(model(xb), yb)
+                    fabric.backward(loss / ACCUM)
+            fopt.step()
+            fopt.zero_grad()
+            sched.step()
+            return loss.detach()
+
+        n = progress.step
+        loss = fastdist.run_step(
+            step, timeout=2, optimizers=[fopt], keep_grads=True, state=state, snapshot=snap, step_number=n
+        )
+        progress.step += 1
+        losses.append(fabric.all_reduce(loss, reduce_op="sum").item())
+    out = result(fabric.global_rank, net, opt, sched.last_epoch, losses, joined=joined, pid=os.getpid())
+    out["params"] = {k: _full(v) for k, v in net.state_dict().items()}
+    out["momentum"] = [_full(opt.state[p]["momentum_buffer"]) for p in net.parameters()]
+    return out
+
+
+def _parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--stall", type=float, default=3.5)
     p.add_argument("--kill", action="store_true", help="rank 2 is SIGKILLed (under fastdist run)")
+    p.add_argument("--fsdp2", action="store_true", help="FSDP2 and a PeerSnapshot (with --kill)")
     args = p.parse_args()
-    strategy = fastdist.lightning.FabricDDPStrategy(collective_timeout=30)
+    if args.fsdp2:
+        strategy = fastdist.lightning.FabricModelParallelStrategy(
+            parallelize_fn=_parallelize, data_parallel_size=3, tensor_parallel_size=1, collective_timeout=30
+        )
+    else:
+        strategy = fastdist.lightning.FabricDDPStrategy(collective_timeout=30)
     fabric = Fabric(accelerator="cpu", devices=3, strategy=strategy)
     fabric.launch()
+    if args.fsdp2:
+        marker = os.path.join(args.out, ".killed")
+        for run in ("killed", "undisturbed"):  # killed first: the same groups on every process
+            path = os.path.join(args.out, f"rank{fabric.global_rank}-{run}.pt")
+            torch.save(train_fsdp2(fabric, marker if run == "killed" else None), path)
+        return
     if args.kill:
         marker = os.path.join(args.out, ".killed")
         for run in ("undisturbed", "killed"):

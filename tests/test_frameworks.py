@@ -222,6 +222,15 @@ def test_strategy_arguments_and_both_lightning_packages() -> None:
         fl.FabricDDPStrategy(collective_timeout=-3)
     with pytest.raises(ValueError, match="package"):
         fl.fabric_ddp_strategy_class("lightning.pytorch")
+    fabric_fsdp2 = fl.FabricModelParallelStrategy(parallelize_fn=lambda m, _: m, collective_timeout=4)
+    assert isinstance(fabric_fsdp2, lightning.fabric.strategies.ModelParallelStrategy)
+    assert fabric_fsdp2._fastdist_collective_timeout == 4.0 and fabric_fsdp2._fastdist_reset_seed
+    assert issubclass(
+        fl.fabric_model_parallel_strategy_class("lightning_fabric"),
+        lightning_fabric.strategies.ModelParallelStrategy,
+    )
+    with pytest.raises(ValueError, match="package"):
+        fl.fabric_model_parallel_strategy_class("pytorch_lightning")
     fsdp2 = fl.ModelParallelStrategy(data_parallel_size=3, tensor_parallel_size=1, step_timeout=7)
     assert isinstance(fsdp2, lightning.pytorch.strategies.ModelParallelStrategy)
     assert fsdp2._fastdist_step_timeout == 7.0 and fsdp2._fastdist_micro_batches
@@ -391,6 +400,33 @@ def test_fabric_loop_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path)
     _check_replaced_loop(out, _launch(_fastdist_run("fabric_job.py", out, "--kill"), 100))
 
 
+@pytest.mark.timeout(120)
+def test_fabric_fsdp2_under_fastdist_run_replaces_a_killed_worker_from_a_snapshot(tmp_path: Path) -> None:
+    """FabricModelParallelStrategy (FSDP2), one run_step per window with snapshot= and
+    step_number=: rank 2 SIGKILLed in window 3, its replacement gets its shards from the copy of
+    the step's start another rank holds, every rank redoes window 3; then rank 1 stalls in window
+    6 and the recovery rolls nothing back (a roll-back of step 3 remembered there would end the
+    job with RuntimeError). Equal to an undisturbed run (the same processes, run after it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    text = _launch(_fastdist_run("fabric_job.py", out, "--kill", "--fsdp2"), 100)
+    started = _replacements(text)
+    assert len(started) == 1 and "rank 2:" in started[0], text[-4000:]
+    assert "rank 1 never arrived" in text, text[-4000:]  # the stall was real
+    ref = torch.load(out / "rank0-undisturbed.pt", weights_only=False)
+    for rank in range(3):
+        clean = torch.load(out / f"rank{rank}-undisturbed.pt", weights_only=False)
+        got = torch.load(out / f"rank{rank}-killed.pt", weights_only=False)
+        # The live ranks never restarted; the replacement joined at window 3.
+        assert got["joined"] == (3 if rank == 2 else None), (rank, got["joined"])
+        assert got["world"] == 3 and got["optimizer_steps"] == clean["optimizer_steps"] == 20, rank
+        assert _largest_difference(ref, clean) <= 1e-6 and _largest_difference(ref, got) <= 1e-6, rank
+        assert got["lr"] == clean["lr"], rank
+        skipped = got["joined"] or 0
+        assert len(got["losses"]) == 20 - skipped, rank
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"][skipped:])) <= 1e-6, rank
+
+
 @pytest.mark.timeout(30)
 def test_run_step_arguments_and_a_step_that_already_updated_is_not_redone() -> None:
     p = torch.nn.Parameter(torch.ones(2))
@@ -402,6 +438,8 @@ def test_run_step_arguments_and_a_step_that_already_updated_is_not_redone() -> N
         ({"timeout": 1, "keep_grads": 1}, TypeError, "keep_grads"),
         ({"timeout": 1, "optimizers": [object()]}, TypeError, "optimizers"),
         ({"timeout": 1, "recover_timeout": -1}, ValueError, "recover_timeout"),
+        ({"timeout": 1, "snapshot": object()}, TypeError, "step_number must be an int when snapshot"),
+        ({"timeout": 1, "snapshot": object(), "step_number": 1}, TypeError, "snapshot must be a fastdist"),
     ]:
         with pytest.raises(kind, match=name):
             fastdist.run_step(lambda: None, **kwargs)

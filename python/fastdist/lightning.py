@@ -76,7 +76,7 @@ from .diagnostics import uncaught
 from .process_group import init_process_group
 from .recovery import joining
 from .recovery.growing import sync_state
-from .steps import StepStart, check_retries, positive_seconds, redo_after_fault
+from .steps import StepStart, check_retries, positive_seconds, redo_after_fault, snapshot_at_start
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -388,10 +388,6 @@ class _Mixin(_Bounded):
 
         snap = self._fastdist_snapshot
         step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
-        if snap is not None and step not in (snap.latest(), snap.restored_step):
-            # The step's start, counted on every rank before the step runs (not again on a
-            # replacement that joined the live ranks' redo of this step: theirs was taken).
-            snap.take(step)
         return redo_after_fault(
             attempt,
             _StepStart(self, optimizer),
@@ -399,19 +395,7 @@ class _Mixin(_Bounded):
             recover_timeout=self._fastdist_recover_timeout,
             state=self._fastdist_state,
             snapshot=snap,
-            on_retry=None if snap is None else lambda: self._check_rolled_back(step),
-        )
-
-    def _check_rolled_back(self, step: int) -> None:
-        """After a recovery that rolled back to a snapshot: it must be the failed step's start
-        (the loop cannot go back further)."""
-        snap = self._fastdist_snapshot
-        if snap is None or snap.restored_step is None or snap.restored_step == step:
-            return
-        raise RuntimeError(
-            f"fastdist: the recovery rolled back to the snapshot of step {snap.restored_step}, and the "
-            f"loop is at step {step}: the snapshot of this step's start did not reach every rank (a "
-            "rank died while it was taken). Restart the job from a checkpoint"
+            on_retry=snapshot_at_start(snap, step),
         )
 
     # -- the training step -------------------------------------------------------------------
@@ -624,9 +608,12 @@ def model_parallel_strategy_class(package: str | None = None) -> type:
 
 
 class _FabricMixin(_Bounded):
-    """Fabric's DDP strategy with the group made by :func:`fastdist.init_process_group` and its
-    collectives bounded by ``collective_timeout``; the loop is the user's (see
-    :func:`fabric_ddp_strategy_class`)."""
+    """Fabric's DDP or model-parallel strategy with the group made by
+    :func:`fastdist.init_process_group` and its collectives bounded by ``collective_timeout``; the
+    loop is the user's (see :func:`fabric_ddp_strategy_class`)."""
+
+    _fastdist_fabric: str  # the Fabric package
+    _fastdist_reset_seed: bool  # the base's _setup_distributed resets the seed first
 
     def __init__(
         self, *args: Any, collective_timeout: float | datetime.timedelta | None = None, **kwargs: Any
@@ -639,6 +626,8 @@ class _FabricMixin(_Bounded):
 
     def _setup_distributed(self) -> None:
         s: Any = self
+        if s._fastdist_reset_seed:  # as the base class does (ModelParallelStrategy)
+            importlib.import_module(s._fastdist_fabric + ".utilities.seed").reset_seed()
         s._set_world_ranks()
         s._process_group_backend = s._get_process_group_backend()
         _init_watched_group(s)
@@ -671,11 +660,52 @@ def fabric_ddp_strategy_class(package: str | None = None) -> type:
         raise ValueError(f"package must be one of {', '.join(_FABRIC.values())}; got {package!r}")
     if name not in _classes:
         base = importlib.import_module(name + ".strategies").DDPStrategy
-        cls = type("FabricDDPStrategy", (_FabricMixin, base), {"__module__": __name__})
+        attrs = {"__module__": __name__, "_fastdist_fabric": name, "_fastdist_reset_seed": False}
+        cls = type("FabricDDPStrategy", (_FabricMixin, base), attrs)
         cls.__doc__ = fabric_ddp_strategy_class.__doc__
         cls.__qualname__ = "FabricDDPStrategy"
         _classes[name] = cls
     return _classes[name]
+
+
+def fabric_model_parallel_strategy_class(package: str | None = None) -> type:
+    """fastdist's FSDP2 strategy for Fabric, built on ``package``'s ``ModelParallelStrategy``
+    (see :func:`fabric_ddp_strategy_class` for ``package``): the group made by
+    :func:`fastdist.init_process_group`, Fabric's collectives bounded by ``collective_timeout``.
+    A dead rank's shards exist on no live rank: under ``fastdist run`` a replacement gets them
+    from a :class:`fastdist.PeerSnapshot` of the step's start, which :func:`fastdist.run_step`
+    takes (``snapshot=``, ``step_number=``)::
+
+        def parallelize(model, mesh):
+            fully_shard(model, mesh=mesh["data_parallel"])
+            return model
+
+        strategy = fastdist.lightning.FabricModelParallelStrategy(
+            parallelize_fn=parallelize, data_parallel_size=3, tensor_parallel_size=1)
+        fabric = Fabric(accelerator="cpu", devices=3, strategy=strategy)
+        fabric.launch()
+        model = fabric.setup_module(net)
+        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+        state = {"model": net, "optim": opt.optimizer, "progress": progress}
+        snap = fastdist.PeerSnapshot(state, every=1, copies=1)
+        fastdist.sync_state(state, snapshot=snap)      # a replacement: its predecessor's shards
+        while progress.step < steps:
+            fastdist.run_step(step, timeout=60, optimizers=[opt], state=state,
+                              snapshot=snap, step_number=progress.step)
+            progress.step += 1
+    """
+    name = _FABRIC[_chosen_package()] if package is None else package
+    if name not in _FABRIC.values():
+        raise ValueError(f"package must be one of {', '.join(_FABRIC.values())}; got {package!r}")
+    key = name + ":model_parallel"
+    if key not in _classes:
+        base = importlib.import_module(name + ".strategies").ModelParallelStrategy
+        attrs = {"__module__": __name__, "_fastdist_fabric": name, "_fastdist_reset_seed": True}
+        cls = type("FabricModelParallelStrategy", (_FabricMixin, base), attrs)
+        cls.__doc__ = fabric_model_parallel_strategy_class.__doc__
+        cls.__qualname__ = "FabricModelParallelStrategy"
+        _classes[key] = cls
+    return _classes[key]
 
 
 def __getattr__(name: str) -> Any:
@@ -685,4 +715,6 @@ def __getattr__(name: str) -> Any:
         return fabric_ddp_strategy_class()
     if name == "ModelParallelStrategy":
         return model_parallel_strategy_class()
+    if name == "FabricModelParallelStrategy":
+        return fabric_model_parallel_strategy_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,6 +28,7 @@ from .deadlines import fail_after, validate_seconds
 from .errors import FastdistError
 from .recovery import reconcile
 from .recovery.recover import recover
+from .recovery.snapshot import PeerSnapshot
 
 log = logging.getLogger("fastdist")
 
@@ -152,6 +153,30 @@ def redo_after_fault(
                 on_retry()
 
 
+def snapshot_at_start(snapshot: Any, step: int) -> Callable[[], None] | None:
+    """For a step redone from a :class:`fastdist.PeerSnapshot` of its start: takes the snapshot of
+    ``step`` now, on every rank before the step runs (not again where it is the latest already: a
+    replacement joining the live ranks' redo of this step restored it), and returns the check, for
+    ``redo_after_fault``'s ``on_retry``, that a recovery rolled back to this step's start if it
+    rolled back at all (the loop cannot go back further)."""
+    if snapshot is None:
+        return None
+    if snapshot.sharded and step != snapshot.latest():
+        snapshot.take(step)
+
+    def check() -> None:
+        restored = snapshot.restored_step
+        if restored is None or restored == step:
+            return
+        raise RuntimeError(
+            f"fastdist: the recovery rolled back to the snapshot of step {restored}, and the loop is at "
+            f"step {step}: the snapshot of this step's start did not reach every rank (a rank died while "
+            "it was taken). Restart the job from a checkpoint"
+        )
+
+    return check
+
+
 def _split_message(done: reconcile.Reconciliation) -> str:
     what = (
         "they kept their states (no state= was passed), which differ"
@@ -177,6 +202,8 @@ def run_step(
     recover_timeout: float | datetime.timedelta = 60.0,
     group: Any = None,
     state: Any = None,
+    snapshot: Any = None,
+    step_number: int | None = None,
 ) -> T:
     """Runs ``step()`` (forward, backward, optimizer update) with a deadline, and after a fault
     recovers the group and runs it again in place::
@@ -193,7 +220,22 @@ def run_step(
     step is the last micro-batch of a gradient-accumulation window and does not zero the
     gradients: the gradients at the start are copied and put back before a retry. The RNG state
     is put back too. After ``max_retries`` faults the last error is raised. ``state`` is passed
-    to :func:`recover` (a replacement of a dead rank is brought up to date with it). When the fault
+    to :func:`recover` (a replacement of a dead rank is brought up to date with it).
+
+    Sharded state (FSDP2): ``snapshot``, a :class:`fastdist.PeerSnapshot` of ``state``, and
+    ``step_number``, the step's number (the same on every rank, one more each step): the snapshot
+    of the step's start is taken here before the step runs, so that a replacement of a dead rank
+    gets its predecessor's shards and every rank redoes the step from its start (a replacement
+    joining that redo skips the snapshot: it restored it)::
+
+        snap = fastdist.PeerSnapshot(state, every=1, copies=1)
+        fastdist.sync_state(state, snapshot=snap)
+        while progress.step < steps:
+            fastdist.run_step(step, timeout=30, optimizers=[opt], state=state,
+                              snapshot=snap, step_number=progress.step)
+            progress.step += 1
+
+    When the fault
     split the live ranks (one had applied the previous step's update and another had not), the
     step is not redone: ``RuntimeError`` on every rank.
     """
@@ -204,13 +246,30 @@ def run_step(
     recover_seconds = positive_seconds(recover_timeout, "recover_timeout")
     if not isinstance(keep_grads, bool):
         raise TypeError(f"keep_grads must be a bool, got {type(keep_grads).__name__}: {keep_grads!r}")
+    if snapshot is not None and (isinstance(step_number, bool) or not isinstance(step_number, int)):
+        raise TypeError(
+            "step_number must be an int when snapshot is given, "
+            f"got {type(step_number).__name__}: {step_number!r}"
+        )
+    if snapshot is not None and not isinstance(snapshot, PeerSnapshot):
+        raise TypeError(f"snapshot must be a fastdist.PeerSnapshot, got {type(snapshot).__name__}")
+    if snapshot is not None and state is None:
+        raise ValueError("snapshot needs state= (the state it copies, handed to a replacement)")
     start = StepStart(optimizers, keep_grads)
 
     def attempt() -> T:
         with fail_after(seconds):
             return step()
 
+    on_retry = None if snapshot is None else snapshot_at_start(snapshot, step_number)  # type: ignore[arg-type]
     result, _ = redo_after_fault(
-        attempt, start, max_retries=retries, recover_timeout=recover_seconds, group=group, state=state
+        attempt,
+        start,
+        max_retries=retries,
+        recover_timeout=recover_seconds,
+        group=group,
+        state=state,
+        snapshot=snapshot,
+        on_retry=on_retry,
     )
     return result
