@@ -42,7 +42,7 @@ import torch
 
 from .deadlines import fail_after
 from .process_group import init_process_group as _init_process_group
-from .steps import StepStart, check_retries, positive_seconds, redo_after_fault
+from .steps import StepStart, check_retries, positive_seconds, redo_after_fault, snapshot_at_start
 
 T = TypeVar("T")
 
@@ -95,6 +95,8 @@ def step(
     max_retries: int = 3,
     recover_timeout: float | datetime.timedelta = 60.0,
     state: Any = None,
+    snapshot: Any = None,
+    step_number: int | None = None,
 ) -> T:
     """Runs ``fn`` (forward, ``accelerator.backward``, the optimizers' step and zero_grad) in
     ``fail_after(timeout)``; after a fault, :func:`fastdist.recover` and ``fn`` again, at most
@@ -108,6 +110,8 @@ def step(
     to a replacement of a dead rank in the recovery (``fastdist run``): the replacement calls
     ``fastdist.sync_state(state)`` before its loop and goes on from that position (with
     accumulation, step per window: the dead rank's earlier micro-batches died with it).
+    Sharded state (Accelerate's FSDP2 plugin): ``snapshot`` and ``step_number`` as in
+    :func:`fastdist.run_step`, the snapshot of the step's start taken here.
 
     A step whose optimizer had already updated the parameters when it failed (a collective after
     ``opt.step()`` inside ``fn``) is not redone: ``RuntimeError``. Keep logging and metric
@@ -121,13 +125,20 @@ def step(
     retries = check_retries(max_retries)
     recover_seconds = positive_seconds(recover_timeout, "recover_timeout")
     start = _Start(accelerator, optimizers)
+    on_retry = snapshot_at_start(snapshot, step_number, state)
 
     def attempt() -> T:
         with fail_after(seconds):
             return fn()
 
     result, _ = redo_after_fault(
-        attempt, start, max_retries=retries, recover_timeout=recover_seconds, state=state
+        attempt,
+        start,
+        max_retries=retries,
+        recover_timeout=recover_seconds,
+        state=state,
+        snapshot=snapshot,
+        on_retry=on_retry,
     )
     return result
 

@@ -395,7 +395,7 @@ class _Mixin(_Bounded):
             recover_timeout=self._fastdist_recover_timeout,
             state=self._fastdist_state,
             snapshot=snap,
-            on_retry=snapshot_at_start(snap, step),
+            on_retry=snapshot_at_start(snap, step, self._fastdist_state),
         )
 
     # -- the training step -------------------------------------------------------------------

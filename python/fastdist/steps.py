@@ -153,14 +153,23 @@ def redo_after_fault(
                 on_retry()
 
 
-def snapshot_at_start(snapshot: Any, step: int) -> Callable[[], None] | None:
-    """For a step redone from a :class:`fastdist.PeerSnapshot` of its start: takes the snapshot of
-    ``step`` now, on every rank before the step runs (not again where it is the latest already: a
-    replacement joining the live ranks' redo of this step restored it), and returns the check, for
-    ``redo_after_fault``'s ``on_retry``, that a recovery rolled back to this step's start if it
-    rolled back at all (the loop cannot go back further)."""
+def snapshot_at_start(snapshot: Any, step: object, state: Any) -> Callable[[], None] | None:
+    """For a step redone from a :class:`fastdist.PeerSnapshot` of its start (``snapshot``, of
+    ``state``, at step number ``step``): takes the snapshot now, on every rank before the step runs
+    (not again where it is the latest already: a replacement joining the live ranks' redo of this
+    step restored it), and returns the check, for ``redo_after_fault``'s ``on_retry``, that a
+    recovery rolled back to this step's start if it rolled back at all (the loop cannot go back
+    further). The arguments are checked first, under the names the callers take them by."""
     if snapshot is None:
         return None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(
+            f"step_number must be an int when snapshot is given, got {type(step).__name__}: {step!r}"
+        )
+    if not isinstance(snapshot, PeerSnapshot):
+        raise TypeError(f"snapshot must be a fastdist.PeerSnapshot, got {type(snapshot).__name__}")
+    if state is None:
+        raise ValueError("snapshot needs state= (the state it copies, handed to a replacement)")
     if snapshot.sharded and step != snapshot.latest():
         snapshot.take(step)
 
@@ -246,22 +255,13 @@ def run_step(
     recover_seconds = positive_seconds(recover_timeout, "recover_timeout")
     if not isinstance(keep_grads, bool):
         raise TypeError(f"keep_grads must be a bool, got {type(keep_grads).__name__}: {keep_grads!r}")
-    if snapshot is not None and (isinstance(step_number, bool) or not isinstance(step_number, int)):
-        raise TypeError(
-            "step_number must be an int when snapshot is given, "
-            f"got {type(step_number).__name__}: {step_number!r}"
-        )
-    if snapshot is not None and not isinstance(snapshot, PeerSnapshot):
-        raise TypeError(f"snapshot must be a fastdist.PeerSnapshot, got {type(snapshot).__name__}")
-    if snapshot is not None and state is None:
-        raise ValueError("snapshot needs state= (the state it copies, handed to a replacement)")
     start = StepStart(optimizers, keep_grads)
+    on_retry = snapshot_at_start(snapshot, step_number, state)
 
     def attempt() -> T:
         with fail_after(seconds):
             return step()
 
-    on_retry = None if snapshot is None else snapshot_at_start(snapshot, step_number)  # type: ignore[arg-type]
     result, _ = redo_after_fault(
         attempt,
         start,
