@@ -654,6 +654,11 @@ def fabric_ddp_strategy_class(package: str | None = None) -> type:
                 fabric.backward(loss_fn(model(x), y))
                 opt.step()
             fastdist.run_step(step, timeout=30, optimizers=[opt])
+
+    Which launcher replaces a dead worker: only ``fastdist run`` (with ``state=`` in
+    ``run_step`` and ``fastdist.sync_state(state)`` before the loop). Fabric's own launcher ends
+    the job when a process dies; torchrun ends it or restarts every worker. A stalled rank is
+    recovered in place under any of them.
     """
     name = _FABRIC[_chosen_package()] if package is None else package
     if name not in _FABRIC.values():
