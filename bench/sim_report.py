@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
+import functools
 import json
 import sys
 import threading
@@ -30,8 +31,9 @@ from typing import Any
 
 import torch.distributed as dist
 from fastdist.diagnostics import board, ring
+from fastdist.groups import pgstate
 from fastdist.recovery import recover as recovery
-from fastdist.store import keywait
+from fastdist.store import keys, keywait
 
 BUDGET = 1.0  # the op's timeout: the report window is 0.1 s plus 5 ms per level of the ring tree
 SHRINK_AFTER = 1.0  # phase 3: the agreement's deadline, after its start
@@ -92,6 +94,7 @@ def main() -> None:
             global_rank=lambda x: x,
             ref=lambda: None,  # no torch group behind it: no history (the waits are made up below)
         )
+        st.ring_children = functools.partial(pgstate.GroupState.ring_children, st)
         ranks.append((r, st, counter, conns[2 * i + 1]))
     keywait.waiter = _own_waiter  # type: ignore[assignment]
     # The store work runs in the simulated rank's own thread (in a job it runs in a bounded
@@ -112,11 +115,11 @@ def main() -> None:
         return out
 
     def rung(r: int, st: Any, counter: list[int], blocking: Any) -> None:
-        raw = blocking.queue_pop(ring.inbox(r))
+        raw = blocking.queue_pop(keys.inbox(r))
         counter[0] += 1  # the listener's pop
         phases["report"]["rung"][r] = time.time()
         fault = json.loads(raw)
-        for child in ring.children(st, fault["root"]):
+        for child in st.ring_children(fault["root"]):
             ring.deliver(st.store, child, raw.decode())
         status = {
             "rank": r,

@@ -6,6 +6,7 @@ in for ranks, on a HashStore (waits poll it: there is no second connection)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from fastdist.deadlines import current_time
 from fastdist.diagnostics import board
 from fastdist.errors import RecoveryError
+from fastdist.groups import pgstate
 from fastdist.recovery import recover as recovery
 from fastdist.store import keys
 
@@ -24,8 +26,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _rank(store: Any, rank: int, size: int, name: str = "g") -> Any:
-    """A stand-in for fastdist's GroupState: what the protocols read of it."""
-    return types.SimpleNamespace(
+    """A stand-in for fastdist's GroupState: what the protocols read of it (its ring tree is
+    GroupState's own)."""
+    st = types.SimpleNamespace(
         ref=lambda: None,
         store=store,
         size=size,
@@ -36,6 +39,8 @@ def _rank(store: Any, rank: int, size: int, name: str = "g") -> Any:
         global_ranks=None,
         global_rank=lambda r: r,
     )
+    st.ring_children = functools.partial(pgstate.GroupState.ring_children, st)
+    return st
 
 
 class Counting:
@@ -329,9 +334,9 @@ def test_the_ringer_rings_again_the_ranks_under_a_silent_parent() -> None:
     status = {"op": "all_reduce", "seq": 4, "state": "timed_out", "t": 1.0}
     # Rank 3 is silent (the root rang it itself: not again); ranks 5 and 6 under it are rung.
     assert ring.ring_missed(st, status, posted={2, 4, 0, 1}) == 2
-    got = {r: store.queue_len(ring.inbox(r)) for r in range(7)}
+    got = {r: store.queue_len(keys.inbox(r)) for r in range(7)}
     assert got == {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 1, 6: 1}, got
-    record = json.loads(store.queue_pop(ring.inbox(5), False))
+    record = json.loads(store.queue_pop(keys.inbox(5), False))
     assert (record["root"], record["op"], record["seq"]) == (2, "all_reduce", 4)
     # Under a parent that posted (it was alive and forwarded) nobody is rung again; a rank known
     # dead (the launcher said so) is not rung either.
@@ -339,4 +344,4 @@ def test_the_ringer_rings_again_the_ranks_under_a_silent_parent() -> None:
     fresh = dist.HashStore()
     dead = {**status, "dead": "rank 6 is dead", "dead_ranks": [6]}
     assert ring.ring_missed(_rank(fresh, 2, 7), dead, posted={2, 4}) == 1
-    assert [fresh.queue_len(ring.inbox(r)) for r in range(7)] == [0, 0, 0, 0, 0, 1, 0]
+    assert [fresh.queue_len(keys.inbox(r)) for r in range(7)] == [0, 0, 0, 0, 0, 1, 0]

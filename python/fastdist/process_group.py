@@ -21,8 +21,9 @@ from .deadlines import RendezvousTimeout, validate_seconds
 from .diagnostics import board, listener, uncaught
 from .groups import pgstate
 from .ops import watching
-from .recovery import growing, joining, wrappers
+from .recovery import joining, wrappers
 from .recovery.recover import LINEAGE_PROBE, lineage
+from .recovery.world import prepare_growth, read_world
 from .store import job, keys, rendezvous
 from .store.etcd import parse_url, security_of
 
@@ -188,7 +189,7 @@ def init_process_group(
             joiner = job.job_running(job_store)
         elif not lineage.get("started"):  # a process that made its groups before is no joiner
             joiner = job.job_running(job_store)
-        world = growing.read_world(job_store)
+        world = read_world(job_store)
         grower = joiner and world is not None and world[1] < world_size
         if grower and world is not None:
             # The job shrank since its launch: this process joins as one rank more, admitted by
@@ -209,7 +210,7 @@ def init_process_group(
         )
     lineage["job_store"] = job_store
     job.set_job_store(job_store)
-    growing.prepare(job_store, world[0] if world is not None else 0, launched or 0, grower)
+    prepare_growth(job_store, world[0] if world is not None else 0, launched or 0, grower)
     lineage["started"] = True
     lineage.update(
         backend=dist.get_backend(),
@@ -225,7 +226,7 @@ def init_process_group(
             lineage["root"].set(LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
     metrics.serve_from_environment()
     # The default group's state now, not on fastdist's arming thread: a first op may follow at
-    # once, in a thread that then holds the GIL (see fastdist.diagnostics.board.arm_native).
+    # once, in a thread that then holds the GIL (see fastdist.groups.native_report.arm).
     pgstate.state_of(dist.distributed_c10d._get_default_group())
     if joiner:
         logger.info("rank %d joins the running job: call fastdist.sync_state(state) to take its place", rank)

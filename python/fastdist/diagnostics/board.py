@@ -36,10 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from ..deadlines import current_time
-from ..groups import pgstate, registry
+from ..groups import registry
 from ..store import keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded
 from . import ring
@@ -115,7 +113,7 @@ def window(budget: float, size: int = 2) -> float:
 
 
 def _prefix(st: GroupState) -> str:
-    return keys.key("diag", st.name, st.generation)
+    return keys.board(st.name, st.generation)
 
 
 # (group name, generation) pairs this process has posted its status for: once each, so that the
@@ -142,46 +140,6 @@ def waits(st: GroupState) -> list[list[int]]:
     except Exception as exc:  # noqa: BLE001 - a hint must never cost the report itself
         logger.debug("fastdist: no waits for the straggler hint: %r", exc)
         return []
-
-
-def _runs_no_python(store: Any) -> bool:
-    """Whether every call on ``store`` stays in C++ (torch's own stores): a store written in
-    Python (EtcdStore) would need the GIL that the native report is for."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return type(store) in (dist.TCPStore, dist.FileStore, dist.HashStore)
-
-
-def arm_native(st: GroupState) -> None:
-    """Gives the group's watched backends what they need to report a timeout in C++ when this
-    process's Python cannot run at the deadline (a thread holds the GIL in a long C call): this
-    generation's board keys and the inboxes this rank rings (see ``NativeReport`` in
-    csrc/watched/watched.h). Called when the group's state is made and at each new generation."""
-    pg = st.ref()
-    if pg is None or st.watched is None or st.size <= 1:
-        return
-    backends = registry.backends_of(pg)
-    if st.store is None or not _runs_no_python(st.store):
-        for b in backends:
-            b.clear_native_report()
-        return
-    prefix = _prefix(st)
-    inboxes = [ring.inbox(child) for child in ring.children(st, st.rank)]
-    for b in backends:
-        b.set_native_report(
-            st.store,
-            st.name,
-            st.generation,
-            st.rank,
-            st.my_global_rank,
-            f"{prefix}/fault",
-            f"{prefix}/status",
-            f"{prefix}/count",
-            inboxes,
-        )
-
-
-pgstate.GENERATION_HOOKS.append(arm_native)
 
 
 def _posted_natively(st: GroupState) -> bool:

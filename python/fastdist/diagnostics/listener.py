@@ -109,7 +109,7 @@ class _Listener(threading.Thread):
             return
         while True:
             try:
-                raw = conn.queue_pop(ring.inbox(self.rank))
+                raw = conn.queue_pop(keys.inbox(self.rank))
             except Exception as exc:  # noqa: BLE001 - the store went away (job end, host died)
                 logger.debug("fastdist: the fault listener stops: %r", exc)
                 return
@@ -179,7 +179,7 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
         if st.name != fault["group"] or st.generation != fault["gen"]:
             continue
         record = raw.decode() if isinstance(raw, bytes) else str(raw)
-        for child in ring.children(st, fault["root"], ring.dead_of(fault)):
+        for child in st.ring_children(fault["root"], ring.dead_of(fault)):
             ring.deliver(store, child, record)
         backends = registry.backends_of(pg)
         inflight = sorted((op for b in backends for op in b.inflight_ops()), key=lambda o: o[1])

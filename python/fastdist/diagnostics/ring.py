@@ -21,31 +21,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def inbox(global_rank: int) -> str:
-    return keys.key("inbox", global_rank)
-
-
 def deliver(store: Any, global_rank: int, record: str) -> None:
-    queues_of(store).queue_push(inbox(global_rank), record)
-
-
-def children(st: GroupState, root: int, dead: frozenset[int] = frozenset()) -> list[int]:
-    """This rank's children in the ring tree rooted at group rank ``root``, as global ranks; a
-    child in ``dead`` (global ranks known dead) is skipped for its own children, so that its
-    subtree is still rung."""
-    out: list[int] = []
-    todo = [(st.rank - root) % st.size]
-    while todo:
-        pos = todo.pop()
-        for c in (2 * pos + 1, 2 * pos + 2):
-            if c >= st.size:
-                continue
-            child = st.global_rank((root + c) % st.size)
-            if child in dead:
-                todo.append(c)
-            else:
-                out.append(child)
-    return out
+    queues_of(store).queue_push(keys.inbox(global_rank), record)
 
 
 def dead_of(record: dict[str, Any]) -> frozenset[int]:
@@ -87,7 +64,7 @@ def ring(st: GroupState, status: dict[str, Any]) -> None:
         return
     record = _record(st, status)
     try:
-        for child in children(st, st.rank, dead_of(status)):
+        for child in st.ring_children(st.rank, dead_of(status)):
             deliver(st.store, child, record)
     except RuntimeError as exc:  # a store without queues (FileStore): the others find out at their deadline
         logger.debug("fastdist: could not ring the group: %r", exc)

@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -27,6 +26,8 @@ _world = dist.distributed_c10d._world
 
 from .._native import _watched, watched_backends
 from ..errors import GroupAbortedError
+from ..store import keys
+from . import native_report
 
 logger = logging.getLogger(__name__)
 
@@ -139,18 +140,38 @@ class GroupState:
     def my_global_rank(self) -> int:
         return self.global_rank(self.rank)
 
-
-# Called with a group's state when it is made and whenever its generation changes (a higher
-# layer registers them: fastdist.diagnostics.board arms the report C++ makes without Python).
-GENERATION_HOOKS: list[Callable[[GroupState], None]] = []
+    def ring_children(self, root: int, dead: frozenset[int] = frozenset()) -> list[int]:
+        """This rank's children in the ring tree rooted at group rank ``root`` (see
+        fastdist.diagnostics.ring), as global ranks; a child in ``dead`` (global ranks known
+        dead) is skipped for its own children, so that its subtree is still rung."""
+        out: list[int] = []
+        todo = [(self.rank - root) % self.size]
+        while todo:
+            pos = todo.pop()
+            for c in (2 * pos + 1, 2 * pos + 2):
+                if c >= self.size:
+                    continue
+                child = self.global_rank((root + c) % self.size)
+                if child in dead:
+                    todo.append(c)
+                else:
+                    out.append(child)
+        return out
 
 
 def _generation_began(st: GroupState) -> None:
-    for hook in GENERATION_HOOKS:
-        try:
-            hook(st)
-        except Exception as exc:  # noqa: BLE001 - a hook's failure must not fail the group
-            logger.warning("fastdist: a generation hook failed on group %r: %r", st.name, exc)
+    """A group's state was made, or its generation changed: its watched backends' native report
+    gets this generation's keys."""
+    pg = st.ref()
+    if pg is None or st.watched is None or st.size <= 1:
+        return
+    inboxes = [keys.inbox(child) for child in st.ring_children(st.rank)]
+    try:
+        native_report.arm(
+            watched_backends(pg), st.store, st.name, st.generation, st.rank, st.my_global_rank, inboxes
+        )
+    except Exception as exc:  # noqa: BLE001 - the report's arming must not fail the group
+        logger.warning("fastdist: arming the native report failed on group %r: %r", st.name, exc)
 
 
 _lock = threading.Lock()

@@ -106,7 +106,7 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
 
 
 # Groups whose state is made (and with it the report C++ makes when Python cannot run, see
-# fastdist.diagnostics.board.arm_native) once torch has finished making them: torch registers a
+# fastdist.groups.native_report.arm) once torch has finished making them: torch registers a
 # group's backend before it records the group's ranks, and the state needs those.
 _unarmed: list[weakref.ref[Any]] = []
 _armer: threading.Thread | None = None
@@ -140,7 +140,7 @@ def _arm_pending() -> None:
             if pg is None:
                 done.append(ref)
             elif pg in pgstate.known_groups():
-                pgstate.state_of(pg)  # its making arms it (pgstate.GENERATION_HOOKS)
+                pgstate.state_of(pg)  # its making arms it (groups.native_report)
                 done.append(ref)
             elif time.monotonic() - since.setdefault(id(ref), time.monotonic()) > _ARM_GIVE_UP:
                 done.append(ref)  # a backend made outside a torch group: nothing to arm
@@ -308,7 +308,7 @@ def _remote_fault(call: OpCall, info: dict[str, Any]) -> BaseException:
 
 def _gil_held(info: dict[str, Any], deadline: float) -> str:
     """Why a timeout is raised late: Python could not run when the deadline passed (C++ reported
-    it then, see fastdist.diagnostics.board.arm_native)."""
+    it then, see fastdist.groups.native_report.arm)."""
     issuer = threading._active.get(int(info.get("thread") or 0))  # type: ignore[attr-defined]
     who = f"thread {issuer.name!r}, which issued the op," if issuer is not None else "a thread"
     return (

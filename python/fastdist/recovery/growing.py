@@ -23,9 +23,7 @@ them, and rank 0 sends the state to the grower over it (fastdist.recovery.state_
 
 from __future__ import annotations
 
-import datetime
 import logging
-import threading
 from typing import Any
 
 import torch.distributed as dist
@@ -41,121 +39,15 @@ from ..deadlines import (
 from ..diagnostics import events, listener
 from ..errors import RecoveryError
 from ..groups import pgstate, registry
-from ..store import keys, keywait
-from . import joining, reconcile, state_sync, wrappers
-from .recover import WORLD_CHANGED, hand_over, latest_key, lineage, rebuild_default, recover_joining
+from ..store import keywait
+from . import joining, reconcile, state_sync, world, wrappers
+from .recover import hand_over, latest_key, lineage, rebuild_default, recover_joining
+from .world import arm, grow_key, world_key
 
 logger = logging.getLogger(__name__)
 
 # grow() calls between rank 0 seeing a request and the growth, on every rank.
 MARGIN = 3
-_FOREVER = datetime.timedelta(days=3650)
-_STALE = "stale"  # what ends the watchers of an epoch that is over
-
-
-def world_key() -> str:
-    return keys.key("world")
-
-
-def _key(epoch: int, what: str) -> str:
-    return keys.key("grow", epoch, what)
-
-
-def read_world(store: Any) -> tuple[int, int] | None:
-    """(epoch, size) of the world as the last shrink or growth left it; None before any."""
-    if not store.check([world_key()]):
-        return None
-    epoch, _, size = bytes(store.get(world_key())).decode().partition(":")
-    return int(epoch), int(size)
-
-
-class _Growth:
-    """This process's view of growing: the world's epoch, how many grow() calls since the world
-    changed, and what the watcher threads learnt (set from those threads, read by grow())."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.store: Any = None  # the job's store (None: no growing)
-        self.epoch = 0
-        self.launched = 0  # the world size the job was launched with
-        self.armed = False  # the world is smaller than launched: grow() looks
-        self.grower = False  # this process joins by growing the world (until it has)
-        self.calls = 0
-        self.requested = False  # rank 0: a grower asked to join
-        self.target: int | None = None  # the call number at which every rank grows
-
-
-_growth = _Growth()
-
-
-def prepare(store: Any, epoch: int, launched: int, grower: bool) -> None:
-    """At init: the job's store, the world's epoch, and whether this process is a grower."""
-    g = _growth
-    with g.lock:
-        g.store, g.epoch, g.launched, g.grower = store, epoch, launched, grower
-
-
-def is_grower() -> bool:
-    return _growth.grower
-
-
-def arm(epoch: int, rank: int, size: int) -> None:
-    """Once the world changed (a shrink, a growth): watches for a grower in the new epoch while
-    the world is smaller than launched. Each watcher is a thread blocked in a store wait on a
-    connection of its own."""
-    g = _growth
-    with g.lock:
-        old, was_armed = g.epoch, g.armed
-        g.epoch, g.calls, g.requested, g.target = epoch, 0, False, None
-        g.armed = g.store is not None and size < g.launched
-    if was_armed and rank == 0 and old != epoch:
-        # The last epoch's watchers (on every rank) still wait: their keys end them (one
-        # thread and one connection each would be left behind per shrink).
-        for what in ("target", "request"):
-            g.store.compare_set(_key(old, what), "", _STALE)
-    if not g.armed:
-        return
-    _watch(g.store, _key(epoch, "target"), epoch, _on_target)
-    if rank == 0:
-        _watch(g.store, _key(epoch, "request"), epoch, _on_request)
-
-
-def _after_shrink(rank: int, size: int) -> None:
-    """recover() left ranks out: a new world epoch, recorded by its rank 0."""
-    g = _growth
-    if g.store is None:
-        return
-    if rank == 0:
-        g.store.set(world_key(), f"{g.epoch + 1}:{size}")
-    arm(g.epoch + 1, rank, size)
-
-
-WORLD_CHANGED.append(_after_shrink)
-
-
-def _watch(store: Any, key: str, epoch: int, then: Any) -> None:
-    def run() -> None:
-        try:
-            conn = store.clone()
-            conn.set_timeout(_FOREVER)
-            conn.wait([key])
-            value = bytes(conn.get(key)).decode()
-        except Exception as exc:  # noqa: BLE001 - the store went away (job end): nobody grows
-            logger.debug("fastdist: the grow watcher on %s stops: %r", key, exc)
-            return
-        with _growth.lock:
-            if _growth.epoch == epoch and value != _STALE:
-                then(value)
-
-    threading.Thread(target=run, name="fastdist-grow", daemon=True).start()
-
-
-def _on_request(_value: str) -> None:
-    _growth.requested = True
-
-
-def _on_target(value: str) -> None:
-    _growth.target = int(value)
 
 
 def grow(state: Any, *, timeout: TimeoutLike = None) -> bool:
@@ -172,14 +64,14 @@ def grow(state: Any, *, timeout: TimeoutLike = None) -> bool:
     state = state_sync.check_state(state)
     if timeout is not None:
         validate_seconds(timeout, "timeout")
-    g = _growth
+    g = world.growth
     if not g.armed:
         return False
     g.calls += 1
     if g.target is None:
         if g.requested:  # rank 0: tell every rank when
             g.requested = False
-            g.store.set(_key(g.epoch, "target"), str(g.calls + MARGIN))
+            g.store.set(grow_key(g.epoch, "target"), str(g.calls + MARGIN))
         return False
     if g.calls < g.target:
         return False
@@ -217,7 +109,7 @@ def sync_state(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None)
     """
     # Checked here, on a first start too: recover_joining returns False before it needs one.
     check_timeout(timeout)
-    if not _growth.grower:
+    if not world.growth.grower:
         return recover_joining(state, timeout=timeout, snapshot=snapshot)
     _join(state_sync.check_state(state), _deadline(timeout))
     return True
@@ -225,11 +117,11 @@ def sync_state(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None)
 
 def _join(state: dict[str, Any], deadline: float) -> None:
     """On a grower: asks the live ranks to admit it and takes part in the growth."""
-    g = _growth
+    g = world.growth
     mine = str(dist.get_rank())
-    if bytes(g.store.compare_set(_key(g.epoch, "request"), "", mine)) != mine.encode():
+    if bytes(g.store.compare_set(grow_key(g.epoch, "request"), "", mine)) != mine.encode():
         raise _failed("another process is joining the shrunk job: start this one after it has joined")
-    if not keywait.wait_key(g.store, _key(g.epoch, "admit"), deadline):
+    if not keywait.wait_key(g.store, grow_key(g.epoch, "admit"), deadline):
         raise _failed(
             "the live ranks did not admit this process before the timeout: do they call "
             "fastdist.grow(state) at each step?"
@@ -246,11 +138,11 @@ def _failed(reason: str) -> RecoveryError:
 
 
 def _grow(state: dict[str, Any] | None, deadline: float, *, newcomer: bool) -> bool:
-    g = _growth
+    g = world.growth
     store, epoch, start = g.store, g.epoch, current_time()
     old = dist.distributed_c10d._get_default_group()
     st = pgstate.state_of(old)
-    admit = _key(epoch, "admit")
+    admit = grow_key(epoch, "admit")
     if newcomer:
         gen_s, _, size_s = bytes(store.get(admit)).decode().partition(":")
         gen, size = int(gen_s), int(size_s)
@@ -260,8 +152,8 @@ def _grow(state: dict[str, Any] | None, deadline: float, *, newcomer: bool) -> b
         if me == 0:
             store.set(admit, f"{gen}:{size}")
     # Count in: the last one in closes the round; at the deadline it closes as failed.
-    closed = _key(epoch, "closed")
-    if store.add(_key(epoch, "count"), 1) >= size + 1:
+    closed = grow_key(epoch, "closed")
+    if store.add(grow_key(epoch, "count"), 1) >= size + 1:
         store.compare_set(closed, "", "all")
     keywait.wait_key(store, closed, deadline, lambda: store.compare_set(closed, "", "failed"))
     if bytes(store.get(closed)) != b"all":

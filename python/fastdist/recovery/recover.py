@@ -28,7 +28,6 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from ..groups import pgstate, registry
 from ..ops import polled
 from ..store import job, keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded, stuck
-from . import joining, reconcile, state_sync, wrappers
+from . import joining, reconcile, state_sync, world, wrappers
 from .snapshot import PeerSnapshot, halt_all, load_into, newest_covering, own_copy, replicas
 
 logger = logging.getLogger(__name__)
@@ -58,11 +57,6 @@ logger = logging.getLogger(__name__)
 lineage: dict[str, Any] = {"backend": None, "timeout": None, "root": None}
 # A key written through the default group's store at init: a new connection must see it.
 LINEAGE_PROBE = keys.key("lineage")
-
-
-# Called on each member as (new rank, new size) when recover() left ranks out (a shrink): the
-# world's size changed (fastdist.recovery.growing watches for a process to grow it back).
-WORLD_CHANGED: list[Callable[[int, int], None]] = []
 
 
 def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None) -> bool:
@@ -346,8 +340,7 @@ def _recover(
     if is_default:
         # This rank's inbox is its new rank's, in the new group's store.
         listener.restart(dist.distributed_c10d._get_default_store(), new_rank)
-        for hook in WORLD_CHANGED:
-            hook(new_rank, new_size)
+        world.shrunk(new_rank, new_size)
     if registry.is_watched(new):  # (an op on a group fastdist does not watch is not bounded)
         _reconcile(new, pgstate.state_of(new), name, gen, state, snapshot, [], held, deadline)
     else:

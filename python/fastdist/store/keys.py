@@ -28,6 +28,16 @@ def key(*parts: object) -> str:
     return "/".join((ROOT, *map(str, parts)))
 
 
+def inbox(global_rank: int) -> str:
+    """The store queue a rank is rung through (fastdist.diagnostics.ring)."""
+    return key("inbox", global_rank)
+
+
+def board(group: str, generation: int) -> str:
+    """The prefix of a group generation's report keys (fastdist.diagnostics.board)."""
+    return key("diag", group, generation)
+
+
 def pg_prefix() -> str:
     """The prefix of the workers' store under a torchrun (or ``fastdist run``) agent: their groups'
     keys and fastdist's keys through the default store (the fault inboxes among them) sit under it,
