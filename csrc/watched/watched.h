@@ -21,8 +21,8 @@
 //
 // Where each part lives: backend.cpp (WatchedBackend, the registry of backends), work.cpp
 // (WatchedWork), group.cpp (GroupCtl, the fault builder, the checks), scopes.cpp (deadline
-// scopes), poller.cpp (NCCL-like completion), signals.cpp (Ctrl-C), errors.cpp; module.cpp
-// binds them to Python.
+// scopes), poller.cpp (NCCL-like completion), signals.cpp (Ctrl-C), errors.cpp;
+// csrc/bindings/watched_module.cpp binds them to Python.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -7,10 +7,10 @@
 #include <cmath>
 #include <tuple>
 
-#include "internal.h"
-#include "nccl_double.h"
-#include "solo.h"
-#include "watched.h"
+#include "../watched/internal.h"
+#include "../watched/nccl_double.h"
+#include "../watched/solo.h"
+#include "../watched/watched.h"
 
 namespace py = pybind11;
 
