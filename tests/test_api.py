@@ -483,13 +483,16 @@ def test_every_benchmark_runs_once_in_smoke_mode(part: str, tmp_path: Any) -> No
 def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
     """The store has no authentication: a record that is not fastdist's (garbage, another JSON
     shape, missing fields) is refused with a clear message wherever fastdist reads one."""
+    import functools
     import json
     import types
 
     import torch.distributed as dist
     from fastdist.diagnostics import board
     from fastdist.errors import RendezvousConnectionError
+    from fastdist.groups import pgstate
     from fastdist.store import keys, rendezvous
+    from fastdist.store.job import JOB
 
     store = dist.HashStore()
     st = types.SimpleNamespace(
@@ -502,18 +505,19 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
         my_global_rank=0,
         global_rank=lambda r: r,
     )
+    st.ring_children = functools.partial(pgstate.GroupState.ring_children, st)
     prefix = keys.key("diag", "g", 0)
     store.append(f"{prefix}/status", "{not json\n")
     good = {"rank": 2, "op": "barrier", "seq": 4, "state": "timed_out", "t": 1.0}
     store.append(f"{prefix}/status", json.dumps(good) + "\n")
     store.append(f"{prefix}/status", json.dumps(dict(good, rank=1, seq="4")) + "\n")  # a wrong type
     store.add(f"{prefix}/count", 2)
-    before = board.store_failure
+    before = JOB.failure
     rep = board.report(st, "barrier", 4, "timed_out", 1.0)
     # The invalid records are ignored (rank 1 counts as not answering), the valid one is used,
     # and the store is not reported as gone.
     assert rep is not None and rep.missing == [1] and rep.timed_out == [2] and not rep.desynced, rep
-    assert board.store_failure == before
+    assert JOB.failure == before
 
     for bad in ("garbage", json.dumps([1, 2]), json.dumps({"torch": "2.13.0"})):
         store.set(rendezvous.VERSION_KEY, bad)

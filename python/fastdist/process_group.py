@@ -18,14 +18,15 @@ from . import (
     shutdown,  # noqa: F401  (the exit hook: registered with the first import of fastdist)
 )
 from .deadlines import RendezvousTimeout, validate_seconds
-from .diagnostics import board, listener, uncaught
+from .diagnostics import listener, uncaught
 from .groups import pgstate
 from .ops import watching
 from .recovery import joining, wrappers
-from .recovery.recover import LINEAGE_PROBE, lineage
+from .recovery.recover import LINEAGE_PROBE
 from .recovery.world import prepare_growth, read_world
 from .store import job, keys, rendezvous
 from .store.etcd import parse_url, security_of
+from .store.job import JOB
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def init_process_group(
     job.die_with_agent()
     uncaught.record_uncaught()
     configure_nccl_error_handling(backend)
-    lineage["reconnect"] = None
+    JOB.reconnect = None
     target = _tcp_target(init_method, store)
     hosts_store = False
     if store is None and init_method is not None and init_method.startswith("etcd://"):
@@ -112,7 +113,7 @@ def init_process_group(
         )
         rendezvous.check_versions(store, rank, world_size, *endpoints[0], timeout=connect)
         init_method = None
-        board.store_location = f"etcd {','.join(f'{h}:{p}' for h, p in endpoints)} (job {job_id!r})"
+        JOB.location = f"etcd {','.join(f'{h}:{p}' for h, p in endpoints)} (job {job_id!r})"
     if target is not None:
         host, port = target
         rank, world_size = _rank_and_size(rank, world_size)
@@ -132,7 +133,7 @@ def init_process_group(
         rendezvous.check_versions(store, rank, world_size, host, port, timeout=connect)
         init_method = None
         hosted_by = "torchrun's agent" if agent else "in rank 0"
-        board.store_location = f"{host}:{port} ({hosted_by})"
+        JOB.location = f"{host}:{port} ({hosted_by})"
         if agent:
             # torchrun's agent keeps its store across restarts of the worker group: torch's own keys
             # (gloo's addresses) of the last attempt must not be read by this one.
@@ -146,12 +147,12 @@ def init_process_group(
             fresh: Any = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=store_seconds))
             if agent:
                 fresh = dist.PrefixStore(keys.pg_prefix(), fresh)
-            fresh = dist.PrefixStore(f"{lineage['group_name']}/", fresh)
+            fresh = dist.PrefixStore(f"{JOB.group_name}/", fresh)
             if not fresh.check([LINEAGE_PROBE]):
                 raise RuntimeError("a new connection to the store does not see the job's keys")
             return fresh
 
-        lineage["reconnect"] = reconnect
+        JOB.reconnect = reconnect
     if rdzv is not None:
         if store is None:
             raise ValueError("rendezvous_timeout needs env://, tcp:// or a store")
@@ -187,7 +188,7 @@ def init_process_group(
             # own process would have (a joiner would wait in sync_state for a hand-over nobody
             # can give, the others in torch's group creation for it).
             joiner = job.job_running(job_store)
-        elif not lineage.get("started"):  # a process that made its groups before is no joiner
+        elif not JOB.started:  # a process that made its groups before is no joiner
             joiner = job.job_running(job_store)
         world = read_world(job_store)
         grower = joiner and world is not None and world[1] < world_size
@@ -208,22 +209,17 @@ def init_process_group(
             world_size=-1 if world_size is None else world_size,
             **kwargs,
         )
-    lineage["job_store"] = job_store
-    job.set_job_store(job_store)
+    JOB.store = job_store
     prepare_growth(job_store, world[0] if world is not None else 0, launched or 0, grower)
-    lineage["started"] = True
-    lineage.update(
-        backend=dist.get_backend(),
-        timeout=td,
-        root=dist.distributed_c10d._get_default_store(),
-    )
-    if lineage.get("reconnect") is not None:
+    JOB.started, JOB.backend, JOB.timeout = True, dist.get_backend(), td
+    JOB.root = dist.distributed_c10d._get_default_store()
+    if JOB.reconnect is not None:
         try:
-            lineage["group_name"] = dist.distributed_c10d._get_default_group().group_name
+            JOB.group_name = dist.distributed_c10d._get_default_group().group_name
         except RuntimeError:  # a backend without a group name: no second connection then
-            lineage["reconnect"] = None
+            JOB.reconnect = None
         else:
-            lineage["root"].set(LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
+            JOB.root.set(LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
     metrics.serve_from_environment()
     # The default group's state now, not on fastdist's arming thread: a first op may follow at
     # once, in a thread that then holds the GIL (see fastdist.groups.native_report.arm).

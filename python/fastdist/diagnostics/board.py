@@ -40,34 +40,13 @@ from ..deadlines import current_time
 from ..groups import registry
 from ..store import keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded
+from ..store.job import JOB
 from . import ring
 
 if TYPE_CHECKING:
     from ..groups.pgstate import GroupState
 
 logger = logging.getLogger(__name__)
-
-# Where the job's store lives, for messages when it is gone: "HOST:PORT (in rank 0)" (set by
-# fastdist.init_process_group), and what the last failed store operation said.
-store_location: str | None = None
-store_failure: str | None = None
-
-
-def store_gone_reason() -> str:
-    """Says that the job's store is unreachable, and where it was."""
-    where = f" at {store_location}" if store_location else ""
-    return (
-        f"the job's store{where} cannot be reached ({store_failure or 'connection lost'}): its host exited "
-        "or was killed, and reports and recovery go through it"
-    )
-
-
-def note_store_failure(exc: BaseException) -> None:
-    """Keeps what a failed store operation said, for :func:`store_gone_reason`."""
-    global store_failure
-    text = str(exc).strip()
-    store_failure = text.splitlines()[0] if text else type(exc).__name__
-
 
 # A rank's status record: what report() writes, and checks before it believes one.
 _STATUS_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -342,9 +321,9 @@ def report(
         # A store cut off by the network would hold this rank here for minutes: bounded.
         summary = bounded(work, span + SUMMARY_SECONDS + GRACE_SECONDS, "the report's store work")
     except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
-        note_store_failure(exc)
+        JOB.note_store_failure(exc)
         logger.warning(
-            "rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, store_failure
+            "rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, JOB.failure
         )
         return None
     if summary["invalid"]:

@@ -16,6 +16,7 @@ from ..groups import pgstate
 from ..groups.opcall import OpCall
 from ..store import job
 from ..store.bounded import GRACE_SECONDS
+from ..store.job import JOB
 from . import board
 
 # How long it waits for fastdist run's record of a death (its agent polls every 0.1 s).
@@ -85,8 +86,8 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
     except Exception as exc:  # noqa: BLE001 - the store lives in an agent, frozen or gone with its node
         # The report would wait behind the unanswered call (a store client serializes its calls):
         # the error says the store is gone, now, as the report's own failure would.
-        board.note_store_failure(exc)
-        reason = f"{board.store_gone_reason()}; {op} #{seq} failed: {text}"
+        JOB.note_store_failure(exc)
+        reason = f"{JOB.store_gone_reason()}; {op} #{seq} failed: {text}"
         pgstate.mark_dead(pg, reason, replace=True)
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     if dead:
@@ -102,8 +103,8 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
     # (a dead rank's peers did, 3.3 s for a 3 s step, before the ring existed).
     rep = board.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0)
     cause, why = board.peer_closed_verdict(rep, started_wall)
-    if rep is None and board.store_failure is not None:
-        why = board.store_gone_reason()
+    if rep is None and JOB.failure is not None:
+        why = JOB.store_gone_reason()
     if cause is not None:
         assert rep is not None  # a cause comes from a report's timed-out ranks
         pgstate.mark_dead(pg, f"{op} #{seq} timed out on rank {min(rep.timed_out)}", replace=True)

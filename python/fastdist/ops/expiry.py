@@ -18,6 +18,7 @@ from ..errors import CollectiveTimeoutError
 from ..groups import pgstate
 from ..groups.opcall import OpCall
 from ..store import job
+from ..store.job import JOB
 from . import polled
 
 
@@ -46,8 +47,8 @@ def timed_out(
         rep = board.report(st, call.op, call.seq, "aborted", window, rung=True)
     else:
         rep = board.report(st, call.op, call.seq, "timed_out", window)
-        if rep is None and board.store_failure is not None:
-            cause = board.store_gone_reason()
+        if rep is None and JOB.failure is not None:
+            cause = JOB.store_gone_reason()
     if late:
         cause = late + (f"; {cause}" if cause else "")
     if rep is not None and rung_by is None:

@@ -47,14 +47,13 @@ from ..groups import pgstate, registry
 from ..ops import polled
 from ..store import job, keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded, stuck
+from ..store.job import JOB
 from . import joining, reconcile, state_sync, world, wrappers
 from .snapshot import PeerSnapshot, halt_all, load_into, newest_covering, own_copy, replicas
 
 logger = logging.getLogger(__name__)
 
 
-# What the default group was built with, for rebuilding it (set by fastdist.init_process_group).
-lineage: dict[str, Any] = {"backend": None, "timeout": None, "root": None}
 # A key written through the default group's store at init: a new connection must see it.
 LINEAGE_PROBE = keys.key("lineage")
 
@@ -74,8 +73,8 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
     # the last one was agreed with the process this one replaces, which died before it went on
     # to the rebuild: the others wait for this rank in that rebuild, and this process takes its
     # place there.
-    latest = int(lineage["root"].add(latest_key(st.name), 0))
-    open_place = latest >= 1 and _place_open(lineage["root"], st, latest)
+    latest = int(JOB.root.add(latest_key(st.name), 0))
+    open_place = latest >= 1 and _place_open(JOB.root, st, latest)
     st.generation = latest - 1 if open_place else latest
     deadline = effective_deadline(timeout, current_time())
     while True:
@@ -236,11 +235,10 @@ def _recover(
     name = st.name
     if is_default:
         halt_all()  # a snapshot exchange in flight issues nothing on the groups rebuilt below
-    if is_default and lineage["root"] is None:
-        lineage.update(
-            backend=dist.get_backend(), timeout=None, root=dist.distributed_c10d._get_default_store()
-        )
-    store = lineage["root"] if is_default else st.store
+    if is_default and JOB.root is None:
+        JOB.backend, JOB.timeout = dist.get_backend(), None
+        JOB.root = dist.distributed_c10d._get_default_store()
+    store = JOB.root if is_default else st.store
     gen = st.generation + 1
     me = st.my_global_rank
     if not joiner:
@@ -253,10 +251,10 @@ def _recover(
             # A store call given up on earlier (a partition) still holds the old connection until
             # TCP's next retransmission, which backs off to minutes (and clone() waits behind it
             # too): a new connection answers at once once the network is back.
-            make = lineage.get("reconnect") or store.clone
+            make = JOB.reconnect or store.clone
             store = bounded(lambda _a: make(), deadline - current_time() + GRACE_SECONDS, "a new connection")
             if is_default:
-                lineage["root"] = store
+                JOB.root = store
         # Bounded: a store cut off by the network would otherwise hold this rank for minutes.
         with _naming_the_absent(store, st, gen, joiner):
             members = bounded(
@@ -269,8 +267,8 @@ def _recover(
         st.generation = gen
         raise
     except (RuntimeError, ConnectionError) as exc:  # dist.DistError and its kin: the store is gone
-        board.store_failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise _failed(st, gen, board.store_gone_reason()) from None
+        JOB.note_store_failure(exc)
+        raise _failed(st, gen, JOB.store_gone_reason()) from None
     new_rank, new_size = members.index(me), len(members)
     pgstate.next_generation(st.name)
     # The agreed generation is used up, whatever happens next: if a member vanishes while the
@@ -329,7 +327,7 @@ def _recover(
         wrappers.reset_ddp(old_groups, new)
         registry.retire(old_groups)
     else:
-        new = dist.new_group(members, timeout=lineage["timeout"], use_local_synchronization=True)
+        new = dist.new_group(members, timeout=JOB.timeout, use_local_synchronization=True)
         registry.retire([pg])
     pgstate.release_finished()
     logger.info(
@@ -1021,7 +1019,7 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
     each on a store prefix of its own for this generation. Torch's connection set-up is bounded by
     what is left of ``deadline``."""
     groups = registry.watched_groups() if is_default else [pg]
-    root = lineage["root"] if lineage["root"] is not None else pgstate.state_of(pg).store
+    root = JOB.root if JOB.root is not None else pgstate.state_of(pg).store
     if root is None:  # recover() refused a group without a store before agreeing
         raise RuntimeError("no store to rebuild the group through")
     for g in groups:
@@ -1089,10 +1087,8 @@ def rebuild_default(gen: int, rank: int, world_size: int) -> Any:
     # The dead group is held by fastdist (see _groups.hold), so dropping torch's references to
     # it here does not run its destructor, which could block on an op still in flight.
     dist.destroy_process_group()
-    root = lineage["root"]
+    root = JOB.root
     store = dist.PrefixStore(keys.key(f"gen{gen}") + "/", root)
-    kwargs = {} if lineage["timeout"] is None else {"timeout": lineage["timeout"]}
-    dist.init_process_group(
-        backend=lineage["backend"], store=store, rank=rank, world_size=world_size, **kwargs
-    )
+    kwargs = {} if JOB.timeout is None else {"timeout": JOB.timeout}
+    dist.init_process_group(backend=JOB.backend, store=store, rank=rank, world_size=world_size, **kwargs)
     return dist.distributed_c10d._get_default_group()

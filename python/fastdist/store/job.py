@@ -1,5 +1,6 @@
-"""The job's own keys in its store: which ranks run, which died and how (written by
-``fastdist run``'s agent), and where each spare learns the rank it takes."""
+"""This process's job, in one record (:data:`JOB`), and the job's own keys in its store: which
+ranks run, which died and how (written by ``fastdist run``'s agent), and where each spare learns
+the rank it takes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from . import keys
@@ -19,6 +22,40 @@ logger = logging.getLogger(__name__)
 
 RUNNING = "running"
 END = "end"
+
+
+@dataclass
+class Job:
+    """What this process knows of its job, written by fastdist.init_process_group and recovery
+    and read by everything that needs the job rather than one group: its stores, what the default
+    group was built with (to rebuild it), and where the store is (for messages when it is gone).
+    (The world's size and epoch after shrinks and growths: fastdist.recovery.world.)"""
+
+    store: Any = None  # the job's store (job-wide keys: deaths, spares, suspects); None without one
+    root: Any = None  # the default group's store, through which recovery agrees
+    backend: str | None = None  # what the default group was built with, for rebuilding it
+    timeout: Any = None  # its timeout (a timedelta), or None for torch's default
+    started: bool = False  # this process made its groups (a later init is no joiner's)
+    group_name: str | None = None  # torch's name of the default group (its store prefix)
+    reconnect: Callable[[], Any] | None = None  # a new connection to ``root`` (after a partition)
+    location: str | None = None  # where the store lives: "HOST:PORT (in rank 0)"
+    failure: str | None = None  # what the last failed store operation said
+
+    def store_gone_reason(self) -> str:
+        """Says that the job's store is unreachable, and where it was."""
+        where = f" at {self.location}" if self.location else ""
+        return (
+            f"the job's store{where} cannot be reached ({self.failure or 'connection lost'}): its host "
+            "exited or was killed, and reports and recovery go through it"
+        )
+
+    def note_store_failure(self, exc: BaseException) -> None:
+        """Keeps what a failed store operation said, for :meth:`store_gone_reason`."""
+        text = str(exc).strip()
+        self.failure = text.splitlines()[0] if text else type(exc).__name__
+
+
+JOB = Job()
 
 
 def running_key() -> str:
@@ -48,7 +85,7 @@ def deaths_key() -> str:
 
 def under_launcher() -> bool:
     """Whether ``fastdist run``'s agent launched this process (and reads the job's records)."""
-    return _job_store is not None and os.environ.get(LAUNCHER_ENV) == "1"
+    return JOB.store is not None and os.environ.get(LAUNCHER_ENV) == "1"
 
 
 def suspects_key() -> str:
@@ -63,12 +100,6 @@ LAUNCHER_ENV = "FASTDIST_RUN"
 # ... and its own process id: its workers die with it (die_with_agent).
 AGENT_PID_ENV = "FASTDIST_AGENT_PID"
 _DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
-_job_store: Any = None
-
-
-def set_job_store(store: Any) -> None:
-    global _job_store
-    _job_store = store
 
 
 def deaths_since(since: float, ranks: list[int], wait: float, bound: float = math.inf) -> dict[int, str]:
@@ -81,7 +112,7 @@ def deaths_since(since: float, ranks: list[int], wait: float, bound: float = mat
     bounded (``wait`` plus :data:`~fastdist.store.bounded.GRACE_SECONDS`, and at most ``bound``
     seconds), and a store that does not answer raises
     :class:`~fastdist.store.bounded.StoreUnanswered`; one that fails raises what torch raised."""
-    store = _job_store
+    store = JOB.store
     if store is None or os.environ.get(LAUNCHER_ENV) != "1":
         return {}
 
@@ -118,7 +149,7 @@ def answering(rank: int) -> None:
 
 
 def _note(records: list[dict[str, Any]]) -> None:
-    store = _job_store
+    store = JOB.store
     if store is None or os.environ.get(LAUNCHER_ENV) != "1" or not records:
         return
     text = "".join(json.dumps(r) + "\n" for r in records)
