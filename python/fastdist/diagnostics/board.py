@@ -16,7 +16,8 @@ waits, without polling, until every rank has posted or the window has passed:
 
 Store work is O(1) per rank, and so are the bytes each rank reads: a compare-and-set, an
 append to one key, an add, a blocking wait on one key and one read of a small summary; the ring
-goes down a binary tree of the group's ranks (two store operations per rank). One rank closes the
+goes down a binary tree of the group's ranks (two store operations per rank; a group of up to
+four is rung by the ringer directly). One rank closes the
 board (the one whose post completes it, or whose window ends first) and it alone reads every
 record: it writes the summary (ranks as ranges, each distinct stack once) that every other rank
 waits on, so every rank that times out gets the same report: no circular blame. The window is
@@ -182,9 +183,10 @@ def publish(st: GroupState, store: Any, prefix: str | None = None) -> dict[str, 
     return summary
 
 
-def _read_summary(st: GroupState, store: Any, prefix: str) -> dict[str, Any]:
-    """The published summary or, when it is not fastdist's, the records themselves."""
-    summary = parse_summary(bytes(store.get(f"{prefix}/summary")), st.size)
+def _read_summary(st: GroupState, store: Any, prefix: str, raw: bytes | None = None) -> dict[str, Any]:
+    """The published summary (``raw``: as read already, else read now) or, when it is not
+    fastdist's, the records themselves."""
+    summary = parse_summary(bytes(store.get(f"{prefix}/summary")) if raw is None else raw, st.size)
     if summary is not None:
         return summary
     logger.warning(
@@ -296,10 +298,11 @@ def report(
                 published.append(publish(st, store, prefix))
 
         close_at = end + (SUMMARY_SECONDS / 2 if rung else 0.0)
-        if keywait.wait_key(store, f"{prefix}/summary", end + SUMMARY_SECONDS, close, close_at):
+        raw = keywait.get_key(store, f"{prefix}/summary", end + SUMMARY_SECONDS, close, close_at)
+        if raw is not None:
             if published:  # (else read it: the closer may not have appended it yet)
                 return published[0]
-            return _read_summary(st, store, prefix)
+            return _read_summary(st, store, prefix, raw)
         # No summary yet: its writer is slow (the store is busy: every rank posted at once) or
         # died after closing the board. One rank at a time takes its place, reads the records
         # once and publishes; the others go on waiting on the key. Every rank reading the

@@ -2,8 +2,10 @@
 
 The ring goes down a binary tree of the group's ranks, rooted at the ringer, each rank forwarding
 it to its two children (fastdist.diagnostics.listener), so every rank does O(1) store operations
-and the last one hears it after about log2(N) hops. Each rank's inbox is a store queue
-(``inbox/RANK``).
+and the last one hears it after about log2(N) hops. A group of at most ``pgstate.FLAT_RING_MAX``
+ranks is rung by the ringer alone, directly (the tree: ``GroupState.ring_children``): a push costs
+a store round trip (about 0.1 ms), a hop a listener's wake-up, a parse and a push (about 1 ms on a
+loaded host). Each rank's inbox is a store queue (``inbox/RANK``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ..groups import pgstate
 from ..store import keys
 from ..store.etcd import queues_of
 
@@ -83,7 +86,7 @@ def ring_missed(st: GroupState, status: dict[str, Any], posted: set[int]) -> int
     rung = 0
     for pos in range(1, st.size):
         rank = (st.rank + pos) % st.size
-        parent = (st.rank + (pos - 1) // 2) % st.size
+        parent = (st.rank + pgstate.ring_parent_position(pos, st.size)) % st.size
         if rank in posted or parent in posted or st.global_rank(rank) in dead:
             continue
         deliver(st.store, st.global_rank(rank), record)

@@ -13,6 +13,8 @@ bounded in the same way.
 from __future__ import annotations
 
 import math
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +64,54 @@ def stuck() -> bool:
     return _blocked > 0
 
 
+class _Helpers:
+    """The helper threads of :func:`bounded`: one is started when none is idle, and waits
+    HELPER_IDLE_SECONDS for more work once done. A fault's report runs several bounded calls in a
+    row on each rank, and on a loaded host the start of a thread (its handshake with the starting
+    one, two hand-overs of the GIL) cost milliseconds of it; an idle helper is woken in one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0  # helpers waiting for a job and not yet promised one
+
+    def run(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1  # that helper is promised this job (it stays to take it)
+                self._jobs.put(job)
+                return
+        threading.Thread(target=self._serve, args=(job,), name="fastdist-store-call", daemon=True).start()
+
+    def _serve(self, job: Callable[[], None]) -> None:
+        while True:
+            job()
+            job = None  # type: ignore[assignment]  # (its references go now, not at the next job)
+            with self._lock:
+                self._idle += 1
+            try:
+                job = self._jobs.get(timeout=HELPER_IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # nobody promised this helper a job: it ends
+                        self._idle -= 1
+                        return
+                job = self._jobs.get()  # a job was promised just as the wait ended: it comes
+
+
+# How long an idle helper of bounded() waits for another call before it ends.
+HELPER_IDLE_SECONDS = 30.0
+_helpers = _Helpers()
+
+
+def _forget_helpers() -> None:
+    global _helpers
+    _helpers = _Helpers()  # a forked child has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
+
+
 class StoreUnanswered(ConnectionError):
     """The job's store did not answer in time (its host is unreachable, or it is overloaded)."""
 
@@ -89,7 +139,7 @@ def bounded(fn: Callable[[threading.Event], T], seconds: float, what: str) -> T:
                 if abandoned.is_set():
                     _blocked -= 1
 
-    threading.Thread(target=run, name="fastdist-store-call", daemon=True).start()
+    _helpers.run(run)
     if not done.wait(max(seconds, 0.0)):
         global _blocked
         with _blocked_lock:

@@ -61,6 +61,14 @@ def set_waiter(conn: Any, of: Any) -> None:
     _waiter, _waiter_of = conn, of
 
 
+def _native(store: Any) -> bool:
+    """Whether ``store`` is torch's TCPStore (under PrefixStores): its get waits for the key, as
+    long as the timeout set on it (a store written in Python may not take it from a PrefixStore)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, dist.TCPStore)
+
+
 def at_deadline(deadline: float, work: Callable[[], object], what: str) -> Any:
     """Runs ``work`` (store work) at ``deadline`` (:func:`fastdist.current_time`'s clock) on
     fastdist's closer thread, unless the returned handle is cancelled first. Never on the
@@ -139,6 +147,30 @@ def wait_key(
     (else polling every 5 ms). ``closer``, when given, runs at ``close_at`` (default: the
     deadline) unless the key came first: it sets the key if nobody has, so that every rank
     waiting on it wakes by the first such deadline."""
+    return _wait(store, key, deadline, closer, close_at, read=False) is not None
+
+
+def get_key(
+    store: Any,
+    key: str,
+    deadline: float,
+    closer: Callable[[], object] | None = None,
+    close_at: float | None = None,
+) -> bytes | None:
+    """:func:`wait_key`, and the key's value: one blocking read on the wait connection (a wait
+    and then a read would be two round trips, and two hand-overs of the GIL, on a fault's
+    critical path). None when ``deadline`` passed first."""
+    return _wait(store, key, deadline, closer, close_at, read=True)
+
+
+def _wait(
+    store: Any,
+    key: str,
+    deadline: float,
+    closer: Callable[[], object] | None,
+    close_at: float | None,
+    read: bool,
+) -> bytes | None:
     when = deadline if close_at is None else close_at
     token = at_deadline(when, closer, f"closing {key}") if closer else None
     # A closer at the deadline sets the key by then: the margin only covers one that failed.
@@ -147,16 +179,21 @@ def wait_key(
     try:
         with waiter(store) as conn:
             if conn is not None:
+                left = datetime.timedelta(seconds=max(0.001, end - current_time()))
                 try:
-                    conn.wait([key], datetime.timedelta(seconds=max(0.001, end - current_time())))
+                    if read and _native(conn):
+                        # (torch's get blocks until the key is set, up to the connection's timeout)
+                        conn.set_timeout(left)
+                        return bytes(conn.get(key))
+                    conn.wait([key], left)
                 except dist.DistStoreError:  # the wait's timeout (the store itself failing raises others)
-                    return False
-                return True
+                    return None
+                return bytes(conn.get(key)) if read else b""
         while not store.check([key]):
             if current_time() >= end:
-                return False
+                return None
             time.sleep(_POLL_SECONDS)
-        return True
+        return bytes(store.get(key)) if read else b""
     finally:
         if token is not None:
             token.cancel()
