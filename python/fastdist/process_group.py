@@ -9,6 +9,7 @@ import datetime
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -95,9 +96,78 @@ def init_process_group(
     job.die_with_agent()
     uncaught.record_uncaught()
     configure_nccl_error_handling(backend)
+    conn = _connect(init_method, store, rank, world_size, td, connect, retries, backoff)
+    store, init_method, rank, world_size = conn.store, conn.init_method, conn.rank, conn.world_size
+    if rdzv is not None:
+        if store is None:
+            raise ValueError("rendezvous_timeout needs env://, tcp:// or a store")
+        rendezvous.rendezvous(
+            store,
+            -1 if rank is None else rank,
+            -1 if world_size is None else world_size,
+            rdzv,
+            hosts_store=conn.hosts_store,
+        )
+    job_store = _job_store(store)
+    place = _place(job_store, rank, world_size, n_spares)
+    watching.activate(None if td is None else td.total_seconds())
+    wrappers.track_ddp()
+    with joining.solo_groups() if place.joiner else contextlib.nullcontext():
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            timeout=td,
+            store=store,
+            rank=-1 if place.rank is None else place.rank,
+            world_size=-1 if place.world_size is None else place.world_size,
+            **kwargs,
+        )
+    _record_job(job_store, td, place)
+    metrics.serve_from_environment()
+    # The default group's state now, not on fastdist's arming thread: a first op may follow at
+    # once, in a thread that then holds the GIL (see fastdist.groups.native_report.arm).
+    pgstate.state_of(dist.distributed_c10d._get_default_group())
+    if place.joiner:
+        logger.info(
+            "rank %d joins the running job: call fastdist.sync_state(state) to take its place", place.rank
+        )
+        return
+    if job_store is not None:
+        _all_started(job_store, dist.get_world_size(), td)
+        if dist.get_rank() == 0 and keys.agent_hosts_store():
+            job_store.set(job.inboxes_key(), dist.distributed_c10d._get_default_group().group_name)
+        job.mark_running(job_store)
+    listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
+
+
+@dataclass
+class _Connection:
+    """What :func:`_connect` made: the store (None: torch makes it from ``init_method``), the
+    init method left for torch, the rank and world size (from the environment when read there),
+    and whether this process hosts the store."""
+
+    store: Any
+    init_method: str | None
+    rank: int | None
+    world_size: int | None
+    hosts_store: bool = False
+
+
+def _connect(
+    init_method: str | None,
+    store: Any,
+    rank: int | None,
+    world_size: int | None,
+    td: datetime.timedelta | None,
+    connect: float,
+    retries: int | None,
+    backoff: float,
+) -> _Connection:
+    """The job's store, connected by fastdist for etcd://, env:// and tcp:// (retried, its failures
+    explained; the versions checked against rank 0's), and where it is in :data:`JOB` (for
+    messages, and a new connection after a partition)."""
     JOB.reconnect = None
-    target = _tcp_target(init_method, store)
-    hosts_store = False
+    store_seconds = td.total_seconds() if td is not None else 300.0
     if store is None and init_method is not None and init_method.startswith("etcd://"):
         endpoints, job_id, ttl = parse_url(init_method)
         rank, world_size = _rank_and_size(rank, world_size)
@@ -109,108 +179,109 @@ def init_process_group(
             connect_timeout=connect,
             retries=retries,
             backoff=backoff,
-            store_timeout=td.total_seconds() if td is not None else 300.0,
+            store_timeout=store_seconds,
         )
         rendezvous.check_versions(store, rank, world_size, *endpoints[0], timeout=connect)
-        init_method = None
         JOB.location = f"etcd {','.join(f'{h}:{p}' for h, p in endpoints)} (job {job_id!r})"
-    if target is not None:
-        host, port = target
-        rank, world_size = _rank_and_size(rank, world_size)
-        # Under torchrun the agent hosts the store on MASTER_PORT: every worker is a client.
-        agent = (init_method or "env://").startswith("env://") and keys.agent_hosts_store()
-        hosts_store = rank == 0 and not agent
-        store = rendezvous.connect_store(
-            host,
-            port,
-            is_master=hosts_store,
-            world_size=world_size,
-            connect_timeout=connect,
-            retries=retries,
-            backoff=backoff,
-            store_timeout=td.total_seconds() if td is not None else 300.0,
-        )
-        rendezvous.check_versions(store, rank, world_size, host, port, timeout=connect)
-        init_method = None
-        hosted_by = "torchrun's agent" if agent else "in rank 0"
-        JOB.location = f"{host}:{port} ({hosted_by})"
+        return _Connection(store, None, rank, world_size)
+    target = _tcp_target(init_method, store)
+    if target is None:
+        return _Connection(store, init_method, rank, world_size)
+    host, port = target
+    rank, world_size = _rank_and_size(rank, world_size)
+    # Under torchrun the agent hosts the store on MASTER_PORT: every worker is a client.
+    agent = (init_method or "env://").startswith("env://") and keys.agent_hosts_store()
+    hosts_store = rank == 0 and not agent
+    store = rendezvous.connect_store(
+        host,
+        port,
+        is_master=hosts_store,
+        world_size=world_size,
+        connect_timeout=connect,
+        retries=retries,
+        backoff=backoff,
+        store_timeout=store_seconds,
+    )
+    rendezvous.check_versions(store, rank, world_size, host, port, timeout=connect)
+    hosted_by = "torchrun's agent" if agent else "in rank 0"
+    JOB.location = f"{host}:{port} ({hosted_by})"
+    if agent:
+        # torchrun's agent keeps its store across restarts of the worker group: torch's own keys
+        # (gloo's addresses) of the last attempt must not be read by this one.
+        store = dist.PrefixStore(keys.pg_prefix(), store)
+
+    def reconnect() -> Any:
+        """A new connection to the job's store, under the prefixes of the default store: ours
+        under torchrun's agent, then torch's group prefix ("GROUP_NAME/"), checked against a
+        key written through the original at init."""
+        fresh: Any = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=store_seconds))
         if agent:
-            # torchrun's agent keeps its store across restarts of the worker group: torch's own keys
-            # (gloo's addresses) of the last attempt must not be read by this one.
-            store = dist.PrefixStore(keys.pg_prefix(), store)
-        store_seconds = td.total_seconds() if td is not None else 300.0
+            fresh = dist.PrefixStore(keys.pg_prefix(), fresh)
+        fresh = dist.PrefixStore(f"{JOB.group_name}/", fresh)
+        if not fresh.check([LINEAGE_PROBE]):
+            raise RuntimeError("a new connection to the store does not see the job's keys")
+        return fresh
 
-        def reconnect() -> Any:
-            """A new connection to the job's store, under the prefixes of the default store: ours
-            under torchrun's agent, then torch's group prefix ("GROUP_NAME/"), checked against a
-            key written through the original at init."""
-            fresh: Any = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=store_seconds))
-            if agent:
-                fresh = dist.PrefixStore(keys.pg_prefix(), fresh)
-            fresh = dist.PrefixStore(f"{JOB.group_name}/", fresh)
-            if not fresh.check([LINEAGE_PROBE]):
-                raise RuntimeError("a new connection to the store does not see the job's keys")
-            return fresh
+    JOB.reconnect = reconnect
+    return _Connection(store, None, rank, world_size, hosts_store)
 
-        JOB.reconnect = reconnect
-    if rdzv is not None:
-        if store is None:
-            raise ValueError("rendezvous_timeout needs env://, tcp:// or a store")
-        rendezvous.rendezvous(
-            store,
-            -1 if rank is None else rank,
-            -1 if world_size is None else world_size,
-            rdzv,
-            hosts_store=target is not None and hosts_store,
-        )
-    job_store = _job_store(store)
-    joiner = False
-    world = None  # (epoch, size) of the world as its last shrink or growth left it
-    launched = world_size
-    grower = False
+
+@dataclass
+class _Place:
+    """Where this process stands in the job (:func:`_place`): its rank and the world size it
+    joins with, the size launched (spares left out), whether it joins a running job, and the
+    world as the job's last shrink or growth left it (epoch, size)."""
+
+    rank: int | None
+    world_size: int | None
+    launched: int | None
+    joiner: bool = False
+    grower: bool = False
+    world: tuple[int, int] | None = None
+
+
+def _place(job_store: Any, rank: int | None, world_size: int | None, n_spares: int) -> _Place:
+    """A spare waits here for a dead rank's place; a process that finds the job running joins
+    it, as the rank it replaces or, when the job shrank since its launch, as one rank more."""
     if n_spares and (job_store is None or rank is None or world_size is None):
         raise ValueError("spares need env://, tcp://, etcd:// or a store, with rank and world_size")
-    if job_store is not None and rank is not None and world_size is not None:
-        if n_spares >= world_size:
-            raise ValueError(f"spares ({n_spares}) must be fewer than the processes launched ({world_size})")
-        world_size -= n_spares
-        launched = world_size
-        if rank >= world_size:
-            logger.info("launch rank %d: a spare, waiting for a dead rank's place", rank)
-            rank = joining.wait_for_vacancy(job_store, rank)
-            # Scripts and frameworks that read RANK see the rank this process now holds (its
-            # launch rank was a spare's); LOCAL_RANK, its device, stays.
-            os.environ["RANK"] = str(rank)
-            if "ROLE_RANK" in os.environ:
-                os.environ["ROLE_RANK"] = str(rank)
-            # A rank that died before the job ran (in its group creation, say) leaves the others
-            # waiting for it there: the spare takes its place in that first start, as the rank's
-            # own process would have (a joiner would wait in sync_state for a hand-over nobody
-            # can give, the others in torch's group creation for it).
-            joiner = job.job_running(job_store)
-        elif not JOB.started:  # a process that made its groups before is no joiner
-            joiner = job.job_running(job_store)
-        world = read_world(job_store)
-        grower = joiner and world is not None and world[1] < world_size
-        if grower and world is not None:
-            # The job shrank since its launch: this process joins as one rank more, admitted by
-            # the live ranks' fastdist.grow() (in sync_state).
-            rank, world_size = world[1], world[1] + 1
-            logger.info("a process joining the shrunk job: rank %d of %d once admitted", rank, world_size)
-    watching.activate(None if td is None else td.total_seconds())
-    wrappers.track_ddp()
-    with joining.solo_groups() if joiner else contextlib.nullcontext():
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            timeout=td,
-            store=store,
-            rank=-1 if rank is None else rank,
-            world_size=-1 if world_size is None else world_size,
-            **kwargs,
+    if job_store is None or rank is None or world_size is None:
+        return _Place(rank, world_size, world_size)
+    if n_spares >= world_size:
+        raise ValueError(f"spares ({n_spares}) must be fewer than the processes launched ({world_size})")
+    world_size -= n_spares
+    joiner = False
+    if rank >= world_size:
+        logger.info("launch rank %d: a spare, waiting for a dead rank's place", rank)
+        rank = joining.wait_for_vacancy(job_store, rank)
+        # Scripts and frameworks that read RANK see the rank this process now holds (its
+        # launch rank was a spare's); LOCAL_RANK, its device, stays.
+        os.environ["RANK"] = str(rank)
+        if "ROLE_RANK" in os.environ:
+            os.environ["ROLE_RANK"] = str(rank)
+        # A rank that died before the job ran (in its group creation, say) leaves the others
+        # waiting for it there: the spare takes its place in that first start, as the rank's
+        # own process would have (a joiner would wait in sync_state for a hand-over nobody
+        # can give, the others in torch's group creation for it).
+        joiner = job.job_running(job_store)
+    elif not JOB.started:  # a process that made its groups before is no joiner
+        joiner = job.job_running(job_store)
+    place = _Place(rank, world_size, world_size, joiner, world=read_world(job_store))
+    if joiner and place.world is not None and place.world[1] < world_size:
+        # The job shrank since its launch: this process joins as one rank more, admitted by
+        # the live ranks' fastdist.grow() (in sync_state).
+        place.grower, place.rank, place.world_size = True, place.world[1], place.world[1] + 1
+        logger.info(
+            "a process joining the shrunk job: rank %d of %d once admitted", place.rank, place.world_size
         )
+    return place
+
+
+def _record_job(job_store: Any, td: datetime.timedelta | None, place: _Place) -> None:
+    """What recovery and growing need of the job, once torch made the default group."""
     JOB.store = job_store
-    prepare_growth(job_store, world[0] if world is not None else 0, launched or 0, grower)
+    epoch = place.world[0] if place.world is not None else 0
+    prepare_growth(job_store, epoch, place.launched or 0, place.grower)
     JOB.started, JOB.backend, JOB.timeout = True, dist.get_backend(), td
     JOB.root = dist.distributed_c10d._get_default_store()
     if JOB.reconnect is not None:
@@ -220,19 +291,6 @@ def init_process_group(
             JOB.reconnect = None
         else:
             JOB.root.set(LINEAGE_PROBE, "1")  # what a new connection must see (reconnect)
-    metrics.serve_from_environment()
-    # The default group's state now, not on fastdist's arming thread: a first op may follow at
-    # once, in a thread that then holds the GIL (see fastdist.groups.native_report.arm).
-    pgstate.state_of(dist.distributed_c10d._get_default_group())
-    if joiner:
-        logger.info("rank %d joins the running job: call fastdist.sync_state(state) to take its place", rank)
-        return
-    if job_store is not None:
-        _all_started(job_store, dist.get_world_size(), td)
-        if dist.get_rank() == 0 and keys.agent_hosts_store():
-            job_store.set(job.inboxes_key(), dist.distributed_c10d._get_default_group().group_name)
-        job.mark_running(job_store)
-    listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
 
 
 # The longest timeout handed to torch (its TCPStore and backends count in nanoseconds somewhere:
