@@ -30,7 +30,7 @@ import time
 
 from .deadlines import flush_engine
 from .diagnostics import listener
-from .ops import polled, watching, work
+from .ops import fault, polled, watching, work
 from .recovery import snapshot
 from .store import bounded
 
@@ -51,11 +51,11 @@ def _at_exit() -> None:
         etcd.stop_keepalives()
     if rpc is not None:
         rpc.join_lingering()
-    snapshot.wait_all(0.0 if watching.interrupted() else OPS_SECONDS)
+    snapshot.wait_all(0.0 if fault.interrupted() else OPS_SECONDS)
     if watching.active():
         listener.stop()
     flush_engine(FLUSH_SECONDS)
-    ops_end = min(end, time.monotonic() + (0.0 if watching.interrupted() else OPS_SECONDS))
+    ops_end = min(end, time.monotonic() + (0.0 if fault.interrupted() else OPS_SECONDS))
     watching.drain_inflight(ops_end)
     work.drain_abandoned(ops_end)
     time.sleep(SETTLE_SECONDS)

@@ -23,7 +23,7 @@ from ..diagnostics import events, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError
 from ..groups import checks, pgstate
 from ..groups.opcall import OpCall
-from . import expiry, polled
+from . import fault, polled
 from .work import (
     COMPLETED,
     EXPIRED,
@@ -96,8 +96,8 @@ def _with_last_seen(call: OpCall) -> OpCall:
 
 
 def _timed_out(call: OpCall, token: Any = None, cause: str | None = None) -> CollectiveTimeoutError:
-    """The error for a collective whose deadline passed (fastdist.ops.expiry), counted."""
-    return _counted(expiry.timed_out(_with_last_seen(call), cause, abandoned=token), call.st)
+    """The error for a collective whose deadline passed (fastdist.ops.fault), counted."""
+    return _counted(fault.timed_out(_with_last_seen(call), cause, abandoned=token), call.st)
 
 
 def _counted(err: CollectiveTimeoutError, st: pgstate.GroupState) -> CollectiveTimeoutError:
@@ -131,7 +131,7 @@ def _wait_polled(call: OpCall, work: Any) -> Any:
         token.cancel()
     if finished:
         return _finished(call, work)
-    fail(_timed_out(call, cause="communicators aborted"))  # aborted in fastdist.ops.expiry
+    fail(_timed_out(call, cause="communicators aborted"))  # aborted in fastdist.ops.fault
 
 
 # Handles whose deadline passed wait here until its expiry ran (rare: one condition for all,
@@ -180,7 +180,7 @@ class UnwatchedWork(Work):
         try:
             if (self._polled or not self._has_future) and self._work.is_completed():
                 return  # finished; only nobody was told (no future, or not polled yet)
-            if self._polled:  # its communicators are aborted (fastdist.ops.expiry)
+            if self._polled:  # its communicators are aborted (fastdist.ops.fault)
                 self._error = _timed_out(self._call, cause="communicators aborted")
             else:
                 self._error = _timed_out(self._call, token=self._token)

@@ -8,36 +8,27 @@ group, ``new_group``, ``split_group``, DeviceMesh). The ProcessGroup stays torch
 name and backend type, so DDP, FSDP2 and DeviceMesh take their usual paths; recovery swaps the
 wrapped backend in place, so the objects holding the group train on.
 
-The C++ side numbers and watches every op; when one expires or fails, it asks :func:`_build` here,
-once per fault, for the exception every waiter of the group raises: the who-is-missing report
-(fastdist.diagnostics.board) made into a :class:`CollectiveTimeoutError` or :class:`GroupAbortedError`.
+The C++ side numbers and watches every op; when one expires or fails, it asks
+:func:`fastdist.ops.fault.build`, once per fault, for the exception every waiter of the group
+raises: the who-is-missing report (fastdist.diagnostics.board) made into a
+:class:`CollectiveTimeoutError` or :class:`GroupAbortedError`.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
-import math
 import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch._C._distributed_c10d import ProcessGroup
 
 from .._native import _core, _watched
-from ..deadlines import current_time, get_default_timeout, run_timeout_handler
-from ..diagnostics import board, dump, events, ring, verdict
-from ..errors import CollectiveTimeoutError, GroupAbortedError, remember
+from ..deadlines import get_default_timeout
 from ..groups import checks, pgstate, registry
-from ..groups.opcall import OpCall
-from . import expiry, polled
-from .work import run_handler_unwaited
-
-if TYPE_CHECKING:
-    from ..groups.pgstate import GroupState
+from . import fault
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +40,6 @@ _lock = threading.Lock()
 _active = False
 # The group timeout the user gave fastdist.init_process_group (seconds), or None.
 _user_timeout: float | None = None
-# Whether Ctrl-C ended an op of this process (the exit then does not wait for it to end in gloo).
-_interrupted = False
 
 _orig_register_backend = ProcessGroup._register_backend
 
@@ -157,31 +146,12 @@ def activate(user_timeout: float | None) -> None:
         if _active:
             return
         _watched.set_engine(_core._engine_capsule())
-        _watched.set_fault_builder(_build)
+        _watched.set_fault_builder(fault.build)
         _watched.set_check_hook(_check)
         _watched.set_main_thread(threading.main_thread().ident or 0)
         _watched.install_sigint_hook()
         ProcessGroup._register_backend = _register_backend  # type: ignore[method-assign,assignment]
         _active = True
-
-
-# ---------------------------------------------------------------------------------------------
-# Building the error for a fault (called from C++, with the GIL, once per fault)
-
-
-def _build(ctl_id: int, info: dict[str, Any]) -> BaseException:
-    # Whatever this raises (a waiter's timeout handler's sys.exit() among others) is the error.
-    err = _build_error(ctl_id, info)
-    if info["kind"] in (Kind.TIMEOUT, Kind.REMOTE, Kind.BACKEND) and os.environ.get("FASTDIST_DUMP_DIR"):
-        pg = registry.group_of(ctl_id)
-        if pg is not None:
-            dump.write(pgstate.state_of(pg), pg, err)
-    if info["kind"] != Kind.REFUSED:
-        # A copy: the error itself gets a traceback when raised, and with it the frames of the
-        # failed call; kept here, those would live on.
-        remember(copy.copy(err))
-        _count(ctl_id, info["kind"], err)
-    return err
 
 
 def _check(ctl_id: int, op: str, signature: str, deadline: float) -> bool:
@@ -196,169 +166,9 @@ def _check(ctl_id: int, op: str, signature: str, deadline: float) -> bool:
     return checks.verify(st, op, st.checks_seq, f"{op}({signature})", deadline)
 
 
-def _count(ctl_id: int, kind: Any, err: BaseException) -> None:
-    """The fault's event (fastdist.diagnostics.events): counted, and written when asked."""
-    pg = registry.group_of(ctl_id)
-    if pg is not None:
-        events.fault(pgstate.state_of(pg), err, interrupted=kind == Kind.INTERRUPTED)
-
-
-def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
-    pg = registry.group_of(ctl_id)
-    op, seq, kind = info["op"], int(info["seq"]), info["kind"]
-    if pg is None:
-        return GroupAbortedError(
-            op=op, group="?", rank=-1, reason=info["detail"] or f"{op} #{seq} {kind.name.lower()}"
-        )
-    st = pgstate.state_of(pg)
-    if kind == Kind.REFUSED:
-        # The reason fastdist recorded (it names the peer whose fault rang this rank) before the
-        # engine's own, which knows only that the op was ended by a peer's fault.
-        reason = st.dead_reason or info["detail"] or "aborted"
-        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-    start = float(info["start"])
-    deadline = float(info["deadline"])
-    call = OpCall(op, pg, st, seq, start, deadline, info["prev"] or None)
-    if kind == Kind.INTERRUPTED:
-        global _interrupted
-        _interrupted = True
-        reason = f"an op was interrupted (Ctrl-C) on rank {st.my_global_rank}"
-        pgstate.mark_dead(pg, reason)
-        # The peers in the op would otherwise wait for it until their deadline, and then blame a
-        # timeout: ring them (bounded, so that the KeyboardInterrupt is not held up).
-        board.announce(st, op, seq, "interrupted")
-        # Ctrl-C: every op in flight on the group ends, wherever torch waits for it (DDP's backward
-        # included), and the group is dead. The KeyboardInterrupt itself is Python's: its handler
-        # runs as soon as the main thread is back in Python, a moment later (raising one here too
-        # would give two).
-        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-    if kind == Kind.REMOTE:
-        return _remote_fault(call, info)
-    text = verdict.first_line(info["detail"] or "")
-    said = verdict.classify(text)
-    if kind == Kind.TIMEOUT or said == verdict.TIMEOUT:
-        cause = None if (not text or deadline <= start) else text  # an expired deadline says so itself
-        late = _gil_held(info, deadline) if info.get("native") else None
-        err: BaseException = expiry.timed_out(call, cause, late=late)
-        _run_handler(err, info["waiter"])
-        return err
-    if said == verdict.PEER_CLOSED:
-        err = verdict.peer_closed(call, text)
-        if isinstance(err, CollectiveTimeoutError):
-            _run_handler(err, info["waiter"])
-        return err
-    reason = f"{op} #{seq} failed on rank {st.my_global_rank}: {text or 'backend error'}"
-    pgstate.mark_dead(pg, reason)
-    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-
-
-def _remote_fault(call: OpCall, info: dict[str, Any]) -> BaseException:
-    """A peer reported a fault on the group (fastdist.diagnostics.listener) while this rank's op
-    ``call`` was in flight. In the same op: the same timeout, with the same report (everyone
-    raises together). In another: the group is dead under this op; say whose fault it was."""
-    pg, st, op, seq, start, deadline = call.pg, call.st, call.op, call.seq, call.start, call.deadline
-    try:
-        peer = json.loads(info["detail"])
-    except ValueError:
-        peer = {}
-    who = f"rank {peer.get('rank', '?')}"
-    what = f"{peer.get('op', '?')} #{peer.get('seq', '?')}"
-    # This rank's op began after the peer's fault: a straggler (it was stopped, or slow), not a
-    # rank stuck in the op with the others.
-    began = time.time() - (current_time() - start)
-    late = isinstance(peer.get("t"), (int, float)) and began > peer["t"]
-    if peer.get("state") == "interrupted":
-        return _aborted(pg, st, op, f"{who} was interrupted (KeyboardInterrupt) in {what}")
-    if peer.get("state") == "dead" and isinstance(peer.get("dead"), str):
-        return _aborted(pg, st, op, f"{peer['dead']}: fastdist run's record")  # (the launcher's notice)
-    if isinstance(peer.get("dead"), str):
-        return _aborted(pg, st, op, f"{peer['dead']} (seen by {who} in {what})")
-    if peer.get("state") == "aborted":
-        # The ringer's op failed under it (a peer closed the group): not a timeout of its own. It
-        # rang before it knew who closed it; the report it collects says (a dead rank never posts).
-        rep = board.report(
-            st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, rung=True
-        )
-        cause, why = board.peer_closed_verdict(rep, began)
-        if cause is None and rep is not None and rep.missing:
-            return _aborted(pg, st, op, f"{why} (seen by {who} in {what})")
-        return _aborted(
-            pg,
-            st,
-            op,
-            f"{who} saw the group closed under it by a peer in {what} (a rank exited or was killed)",
-        )
-    # The peer timed out when this rank's own deadline had passed too (equal deadlines, a peer a
-    # hair faster): this rank's op timed out as well, and says so, with the same report, whichever
-    # rank's timer fired first.
-    own_also = peer.get("state") == "timed_out" and current_time() >= deadline - _SAME_MOMENT
-    if (peer.get("op") == op and peer.get("seq") == seq and not late) or own_also:
-        err = expiry.timed_out(call, f"{who} timed out first{ring.gil_note(peer)}", rung_by=who)
-        _run_handler(err, info["waiter"])
-        return err
-    verb = "timed out in" if peer.get("state") == "timed_out" else "failed in"
-    return _aborted(
-        pg,
-        st,
-        op,
-        f"{who} {verb} {what}{ring.gil_note(peer)} and aborted group {st.name!r} "
-        f"while this rank was in {op} #{seq}",
-    )
-
-
-def _gil_held(info: dict[str, Any], deadline: float) -> str:
-    """Why a timeout is raised late: Python could not run when the deadline passed (C++ reported
-    it then, see fastdist.groups.native_report.arm)."""
-    issuer = threading._active.get(int(info.get("thread") or 0))  # type: ignore[attr-defined]
-    who = f"thread {issuer.name!r}, which issued the op," if issuer is not None else "a thread"
-    return (
-        f"its deadline passed while the GIL was held and Python could not run here for "
-        f"{max(0.0, current_time() - deadline):.1f} s after it ({who} or another thread was in a long "
-        "call that does not release the GIL); fastdist told the other ranks from C++ at the deadline"
-    )
-
-
-# A peer's timeout that reaches this rank within this many seconds of its own deadline counts as
-# this rank's own timeout too.
-_SAME_MOMENT = 0.05
-
-
-def _aborted(pg: Any, st: GroupState, op: str, reason: str) -> GroupAbortedError:
-    """The group is dead under ``op`` for ``reason`` (a peer's fault): the error, after _die."""
-    _die(
-        pg,
-        st,
-        reason,
-        GroupAbortedError(
-            op=op, group=st.name, rank=st.my_global_rank, reason=reason + "; aborting the communicators hung"
-        ),
-    )
-    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-
-
-def _die(pg: Any, st: GroupState, reason: str, if_abort_hangs: BaseException) -> None:
-    """Marks the group dead and, on NCCL, starts aborting its communicators (in the background,
-    bounded: ``if_abort_hangs`` goes to the timeout handler when the abort does not return)."""
-    pgstate.mark_dead(pg, reason)
-    if st.polled:
-        polled.abort_group(pg, st.is_default, if_abort_hangs)
-
-
-def _run_handler(err: BaseException, waiter: bool) -> None:
-    if waiter:
-        run_timeout_handler(err)  # whatever it raises propagates in the waiting thread
-    else:
-        run_handler_unwaited(err)
-
-
 def active() -> bool:
     """Whether groups are watched (fastdist.init_process_group ran)."""
     return _active
-
-
-def interrupted() -> bool:
-    """Whether Ctrl-C ended an op of this process."""
-    return _interrupted
 
 
 def drain_inflight(end: float) -> None:
