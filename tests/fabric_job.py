@@ -81,71 +81,30 @@ def train(fabric: Fabric, stall: float) -> dict[str, Any]:
     return result(fabric.global_rank, net, opt, sched.last_epoch, losses, retries=calls - len(loader))
 
 
-def train_windows(fabric: Fabric, kill: str | None) -> dict[str, Any]:
-    """One fastdist step per accumulation window; ``kill``: the marker of rank 2's death."""
+def train_windows(fabric: Fabric, kill: str | None, fsdp2: bool = False) -> dict[str, Any]:
+    """One fastdist step per accumulation window; ``kill``: the marker of rank 2's death.
+    ``fsdp2``: the model sharded by the strategy's parallelize_fn, a PeerSnapshot of every step's
+    start taken by run_step, and (with ``kill``) rank 1 stalling 3 s in window 6 too."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    if fsdp2:
+        model = fabric.setup_module(net)  # fully_shard, in the strategy's parallelize_fn
+        fopt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        opt = fopt.optimizer
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        model, fopt = fabric.setup(net, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
-    model, fopt = fabric.setup(net, opt)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
     data = TensorDataset(x, x.sum(1, keepdim=True).sin())
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4))
     progress = Progress()  # optimizer steps done: one a window
     state = {"model": net, "optim": opt, "sched": sched, "progress": progress}
-    joined = progress.step if fastdist.sync_state(state) else None  # a replacement: its step
+    snap = fastdist.PeerSnapshot(state, every=1, copies=1) if fsdp2 else None
+    joined = progress.step if fastdist.sync_state(state, snapshot=snap) else None  # a replacement: its step
     batches = iter(loader)
     for _ in range(progress.step * ACCUM):  # a replacement draws the windows done
-        next(batches)
-    losses = []
-    while progress.step < STEPS:
-        window = [next(batches) for _ in range(ACCUM)]
-
-        def step(window: list[Any] = window) -> torch.Tensor:
-            for j, (xb, yb) in enumerate(window):
-                dies = kill and fabric.global_rank == STALL_RANK and progress.step == STALL_STEP and j == 0
-                if dies and not os.path.exists(kill):  # once: the replacement must live
-                    open(kill, "w").close()
-                    os.kill(os.getpid(), signal.SIGKILL)
-                with fabric.no_backward_sync(model, enabled=j < ACCUM - 1):
-                    loss = F.mse_loss(model(xb), yb)
-                    fabric.backward(loss / ACCUM)
-            fopt.step()
-            fopt.zero_grad()
-            sched.step()
-            return loss.detach()
-
-        # keep_grads: a redone window starts from the gradients it started with (none).
-        loss = fastdist.run_step(step, timeout=2, optimizers=[fopt], keep_grads=True, state=state)
-        progress.step += 1
-        losses.append(fabric.all_reduce(loss, reduce_op="sum").item())
-    return result(fabric.global_rank, net, opt, sched.last_epoch, losses, joined=joined, pid=os.getpid())
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor().detach().clone()  # type: ignore[attr-defined]
-
-
-def train_fsdp2(fabric: Fabric, kill: str | None) -> dict[str, Any]:
-    """train_windows with FSDP2 and a PeerSnapshot of every step's start; ``kill`` also stalls
-    rank 1 in window 6."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    model = fabric.setup_module(net)  # fully_shard, in the strategy's parallelize_fn
-    fopt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    opt = fopt.optimizer
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4 * 3 * STEPS * ACCUM, 8, generator=g)
-    data = TensorDataset(x, x.sum(1, keepdim=True).sin())
-    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4))
-    progress = Progress()
-    state = {"model": net, "optim": opt, "sched": sched, "progress": progress}
-    snap = fastdist.PeerSnapshot(state, every=1, copies=1)
-    joined = progress.step if fastdist.sync_state(state, snapshot=snap) else None
-    batches = iter(loader)
-    for _ in range(progress.step * ACCUM):
         next(batches)
     losses, stalled = [], False
     while progress.step < STEPS:
@@ -155,10 +114,10 @@ def train_fsdp2(fabric: Fabric, kill: str | None) -> dict[str, Any]:
             nonlocal stalled
             for j, (xb, yb) in enumerate(window):
                 dies = kill and fabric.global_rank == STALL_RANK and progress.step == STALL_STEP and j == 0
-                if dies and not os.path.exists(kill):
+                if dies and not os.path.exists(kill):  # once: the replacement must live
                     open(kill, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
-                if kill and fabric.global_rank == 1 and progress.step == 6 and not stalled:
+                if fsdp2 and kill and fabric.global_rank == 1 and progress.step == 6 and not stalled:
                     stalled = True
                     time.sleep(3)
                 with fabric.no_backward_sync(model, enabled=j < ACCUM - 1):
@@ -169,6 +128,7 @@ def train_fsdp2(fabric: Fabric, kill: str | None) -> dict[str, Any]:
             sched.step()
             return loss.detach()
 
+        # keep_grads: a redone window starts from the gradients it started with (none).
         n = progress.step
         loss = fastdist.run_step(
             step, timeout=2, optimizers=[fopt], keep_grads=True, state=state, snapshot=snap, step_number=n
@@ -176,9 +136,14 @@ def train_fsdp2(fabric: Fabric, kill: str | None) -> dict[str, Any]:
         progress.step += 1
         losses.append(fabric.all_reduce(loss, reduce_op="sum").item())
     out = result(fabric.global_rank, net, opt, sched.last_epoch, losses, joined=joined, pid=os.getpid())
-    out["params"] = {k: _full(v) for k, v in net.state_dict().items()}
-    out["momentum"] = [_full(opt.state[p]["momentum_buffer"]) for p in net.parameters()]
+    if fsdp2:  # the shards gathered: every rank's whole model, as DDP's
+        out["params"] = {k: _full(v) for k, v in net.state_dict().items()}
+        out["momentum"] = [_full(opt.state[p]["momentum_buffer"]) for p in net.parameters()]
     return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor().detach().clone()  # type: ignore[attr-defined]
 
 
 def _parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
@@ -207,7 +172,7 @@ def main() -> None:
         marker = os.path.join(args.out, ".killed")
         for run in ("killed", "undisturbed"):  # killed first: the same groups on every process
             path = os.path.join(args.out, f"rank{fabric.global_rank}-{run}.pt")
-            torch.save(train_fsdp2(fabric, marker if run == "killed" else None), path)
+            torch.save(train_windows(fabric, marker if run == "killed" else None, fsdp2=True), path)
         return
     if args.kill:
         marker = os.path.join(args.out, ".killed")

@@ -660,17 +660,7 @@ def fabric_ddp_strategy_class(package: str | None = None) -> type:
     the job when a process dies; torchrun ends it or restarts every worker. A stalled rank is
     recovered in place under any of them.
     """
-    name = _FABRIC[_chosen_package()] if package is None else package
-    if name not in _FABRIC.values():
-        raise ValueError(f"package must be one of {', '.join(_FABRIC.values())}; got {package!r}")
-    if name not in _classes:
-        base = importlib.import_module(name + ".strategies").DDPStrategy
-        attrs = {"__module__": __name__, "_fastdist_fabric": name, "_fastdist_reset_seed": False}
-        cls = type("FabricDDPStrategy", (_FabricMixin, base), attrs)
-        cls.__doc__ = fabric_ddp_strategy_class.__doc__
-        cls.__qualname__ = "FabricDDPStrategy"
-        _classes[name] = cls
-    return _classes[name]
+    return _fabric_class(package, "DDPStrategy", fabric_ddp_strategy_class.__doc__)
 
 
 def fabric_model_parallel_strategy_class(package: str | None = None) -> type:
@@ -699,16 +689,24 @@ def fabric_model_parallel_strategy_class(package: str | None = None) -> type:
                               snapshot=snap, step_number=progress.step)
             progress.step += 1
     """
+    return _fabric_class(package, "ModelParallelStrategy", fabric_model_parallel_strategy_class.__doc__)
+
+
+def _fabric_class(package: str | None, base_name: str, doc: str | None) -> type:
+    """``Fabric`` + ``base_name`` (a strategy class of ``package``'s Fabric) with
+    :class:`_FabricMixin`, made once per package."""
     name = _FABRIC[_chosen_package()] if package is None else package
     if name not in _FABRIC.values():
         raise ValueError(f"package must be one of {', '.join(_FABRIC.values())}; got {package!r}")
-    key = name + ":model_parallel"
+    key = f"{name}:{base_name}"
     if key not in _classes:
-        base = importlib.import_module(name + ".strategies").ModelParallelStrategy
-        attrs = {"__module__": __name__, "_fastdist_fabric": name, "_fastdist_reset_seed": True}
-        cls = type("FabricModelParallelStrategy", (_FabricMixin, base), attrs)
-        cls.__doc__ = fabric_model_parallel_strategy_class.__doc__
-        cls.__qualname__ = "FabricModelParallelStrategy"
+        base = getattr(importlib.import_module(name + ".strategies"), base_name)
+        # ModelParallelStrategy's own _setup_distributed resets the seed first; the mixin's does too.
+        reset_seed = base_name == "ModelParallelStrategy"
+        attrs = {"__module__": __name__, "_fastdist_fabric": name, "_fastdist_reset_seed": reset_seed}
+        cls = type("Fabric" + base_name, (_FabricMixin, base), attrs)
+        cls.__doc__ = doc
+        cls.__qualname__ = "Fabric" + base_name
         _classes[key] = cls
     return _classes[key]
 
