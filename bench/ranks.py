@@ -37,67 +37,6 @@ def bench_recovery(ctx) -> None:
         ctx.record("cycle", timed_out_at=timed_out_at, recovered_at=time.time())
 
 
-def bench_reaping(ctx) -> None:
-    """For bench/: what reaping costs per op with 10,000 async works in flight, on the fake NCCL
-    double (CPU) or on real NCCL (FASTDIST_BENCH_BACKEND=nccl, one GPU)."""
-    import statistics
-
-    from fastdist.deadlines import engine
-    from fastdist.ops.polled import Reaper
-
-    backend = os.environ.get("FASTDIST_BENCH_BACKEND", "fake")
-    if backend == "nccl":
-        torch.cuda.set_device(0)
-        fastdist.init_process_group("nccl", store=dist.PrefixStore("pg", ctx.store), rank=0, world_size=1)
-        t = torch.ones(1, device="cuda")
-    else:
-        import fake_nccl
-
-        fake_nccl.register()
-        fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1)
-        t = torch.ones(1)
-    pg = dist.distributed_c10d._get_default_group()
-    from torch.distributed.distributed_c10d import AllreduceOptions
-
-    n = int(os.environ.get("FASTDIST_BENCH_INFLIGHT", "10000"))
-    import collections
-
-    per_op: dict[bool, list[float]] = {True: [], False: []}
-    for ordered in (True, False):  # collectives (in issue order) / queried one by one (p2p)
-        for _ in range(5):
-            reaper = Reaper()  # private and not started: time its passes alone
-            eng = engine()
-            works = [pg.allreduce([t], AllreduceOptions()) for _ in range(n)]
-            if backend == "nccl":
-                torch.cuda.synchronize()
-            # Watched works complete when fastdist's C++ poller (or a waiter) saw them run: let it
-            # see every one before the reaper's pass is timed.
-            while not all(w.is_completed() for w in works):
-                time.sleep(0.001)
-            tokens = [eng.add(eng.now() + 3600) for _ in range(n)]
-            reaper._queues[(0, ordered)] = collections.deque(zip(works, tokens))
-            t0 = time.perf_counter()
-            done = reaper.reap_once()
-            per_op[ordered].append((time.perf_counter() - t0) / max(done, 1))
-            assert done == n, done
-            assert all(tok.state == 1 for tok in tokens)
-    # The same through the public API: n async all_reduces in flight, then waited.
-    t0 = time.perf_counter()
-    handles = [fastdist.all_reduce(t, async_op=True, timeout=60) for _ in range(n)]
-    issued = time.perf_counter() - t0
-    for h in handles:
-        h.wait()
-    ctx.record(
-        "reaping",
-        backend=backend,
-        inflight=n,
-        reap_per_op_us=statistics.median(per_op[True]) * 1e6,
-        reap_each_per_op_us=statistics.median(per_op[False]) * 1e6,
-        issue_per_op_us=issued / n * 1e6,
-        total_s=time.perf_counter() - t0,
-    )
-
-
 def gpu_bench(ctx) -> None:
     """For bench/: NCCL on one GPU. fastdist.all_reduce (returns once the GPU finished) against
     dist.all_reduce + torch.cuda.synchronize(), interleaved, at 1 element and 1 MB."""

@@ -278,13 +278,6 @@ def build(data: dict) -> tuple[str, dict]:
             f"\nIdle timer wake-ups: {idle['idle_wakeups_per_second']:.2f}/s with {idle['pending']} "
             "deadlines pending."
         )
-    reap = [b[k]["extra_info"] for k in sorted(b) if k.startswith("test_reaping_cost")]
-    for x in reap:
-        lines.append(
-            f"\nReaping on the NCCL path ({x['backend']}): {x['reap_per_op_us']:.2f} us per op at "
-            f"{x['inflight']:,} in flight (goal <= 1 us); queried one by one (point-to-point works): "
-            f"{x.get('reap_each_per_op_us', float('nan')):.2f} us per op."
-        )
     machine = data.get("machine_info", {})
     lines += [
         "",

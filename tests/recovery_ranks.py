@@ -55,12 +55,16 @@ class CountingStore(dist.Store):
 
 
 def store_quiet_and_async_handler_exit(ctx) -> None:
-    """2 ranks. 100 healthy collectives make no store operation; then an async all_reduce that
-    nobody waits on times out, its handler runs on fastdist's thread and its sys.exit(7) ends the
-    process with code 7."""
+    """2 ranks, groups made by plain torch (no fastdist.init_process_group): fastdist's own ops
+    go through the same watched C++ path as on a group fastdist made. 100 healthy collectives make
+    no store operation and are in fastdist.history(); rank 1 then skips a barrier on a subgroup:
+    rank 0's raises CollectiveTimeoutError naming it; then an async all_reduce that nobody waits
+    on times out, its handler runs on fastdist's thread and its sys.exit(7) ends the process with
+    code 7."""
 
     counting = CountingStore(dist.PrefixStore("pg", ctx.store))
     dist.init_process_group("gloo", store=counting, rank=ctx.rank, world_size=ctx.world_size)
+    sub = dist.new_group([0, 1])
     fastdist.barrier(timeout=20)
     before = counting.ops
     t = torch.ones(4)
@@ -70,9 +74,15 @@ def store_quiet_and_async_handler_exit(ctx) -> None:
         fastdist.broadcast(t, src=0, timeout=20)
         fastdist.all_gather([torch.zeros(4) for _ in range(2)], t, timeout=20)
     ctx.record("store_ops", during=counting.ops - before, at_init=before)
+    ctx.record("history", ops=[r["op"] for r in fastdist.history()][-4:], n=len(fastdist.history()))
     if ctx.rank == 1:
         ctx.wait_release()
         return
+    start = time.monotonic()
+    try:
+        fastdist.barrier(sub, timeout=1.0)
+    except fastdist.CollectiveTimeoutError as err:
+        ctx.record("sub_timeout", missing=err.missing_ranks, seconds=time.monotonic() - start, text=str(err))
 
     def handler(err):
         ctx.record(

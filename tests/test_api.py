@@ -218,51 +218,6 @@ def test_solo_group_collectives_work_with_every_kind_of_timeout() -> None:
         )
 
 
-class _BrokenWork:
-    """A work whose completion query raises (as a failing backend's can); it never finishes."""
-
-    def get_future(self):
-        raise RuntimeError("Work::getFuture not implemented")
-
-    def is_completed(self):
-        raise RuntimeError("completion query failed")
-
-    def wait(self, timeout=None):
-        raise RuntimeError("completion query failed")
-
-
-def test_expiry_and_reaper_survive_a_completion_query_that_raises() -> None:
-    """Issue 13 item 8: an exception inside the expiry action still leaves the handle failed and
-    the group dead (exception() returns, never blocks), and the NCCL reaper thread survives one."""
-    from fastdist.groups import pgstate
-    from fastdist.groups.opcall import OpCall
-    from fastdist.ops import polled, unwatched
-
-    pg = _solo_group()
-    st = pgstate.state_of(pg)
-    start = fastdist.current_time()
-    h = unwatched.UnwatchedWork(OpCall("all_reduce", pg, st, 1, start, start + 0.2), _BrokenWork())
-    time.sleep(0.5)  # past the deadline: the expiry ran (or runs now; exception() waits for it)
-    err = h.exception()
-    assert isinstance(err, GroupAbortedError) and "completion query failed" in str(err), err
-    assert fastdist.is_dead(pg)
-    with pytest.raises(GroupAbortedError):
-        h.wait()
-
-    token = fastdist.deadlines.engine().add(fastdist.current_time() + 30)
-    polled.reaper.watch(12345, _BrokenWork(), token)
-    t0 = fastdist.current_time()
-    while token.state == fastdist._core.PENDING and fastdist.current_time() - t0 < 5:
-        pass
-    assert token.state == fastdist._core.COMPLETED  # handed to its waiter, whose wait() raises
-    ok = fastdist.deadlines.engine().add(fastdist.current_time() + 30)
-    polled.reaper.watch(12345, type("Done", (), {"is_completed": lambda self: True})(), ok)
-    t0 = fastdist.current_time()
-    while ok.state == fastdist._core.PENDING and fastdist.current_time() - t0 < 5:
-        pass
-    assert ok.state == fastdist._core.COMPLETED and polled.reaper._thread.is_alive()
-
-
 def test_rendezvous_timeout_states() -> None:
     rt = RendezvousTimeout(timeout=datetime.timedelta(seconds=30))
     assert not rt.closed and rt.deadline is None and not rt.is_timed_out()
@@ -277,7 +232,6 @@ def test_rendezvous_timeout_states() -> None:
 
     effective_deadline(short, fastdist.current_time())  # a call given it closes it
     assert short.closed
-    import time
 
     time.sleep(0.02)
     assert short.is_timed_out() and short.remaining() == 0.0

@@ -6,7 +6,6 @@ real NCCL takes. Not a claim about NCCL itself: that runs in tests/gpu."""
 
 from __future__ import annotations
 
-import collections
 import warnings
 
 import nccl_path_ranks
@@ -131,73 +130,3 @@ def test_nccl_error_handling_mode_is_set_or_respected(monkeypatch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         configure_nccl_error_handling("cpu:gloo,cuda:nccl")
-
-
-class _Done:
-    """A work whose completion the test sets; counts the completion queries."""
-
-    queries = 0
-
-    def __init__(self) -> None:
-        self.finished = False
-
-    def is_completed(self) -> bool:
-        _Done.queries += 1
-        return self.finished
-
-
-@pytest.mark.timeout(30)
-def test_reaper_reaps_in_order_with_few_queries_and_p2p_one_by_one() -> None:
-    from fastdist.deadlines import engine
-    from fastdist.ops import polled
-
-    eng = engine()
-    reaper = polled.Reaper()  # not started: passes are driven here
-    n = 1000
-    works = [_Done() for _ in range(n)]
-    tokens = [eng.add(eng.now() + 3600) for _ in range(n)]
-    reaper._queues[(1, True)] = collections.deque(zip(works, tokens))  # what watch() queues
-    # Collectives of one group finish in issue order: the first 377 finished.
-    for w in works[:377]:
-        w.finished = True
-    _Done.queries = 0
-    assert reaper.reap_once() == 377
-    assert _Done.queries <= 2 + n.bit_length()  # a binary search, not one query per work
-    assert all(t.state == 1 for t in tokens[:377]) and all(t.state == 0 for t in tokens[377:])
-    # An expired token at the head is dropped, not waited on; then everything finished: one query.
-    tokens[377].cancel()
-    for w in works:
-        w.finished = True
-    _Done.queries = 0
-    assert reaper.reap_once() == n - 378 and _Done.queries == 1 and reaper.pending() == 0
-    # Point-to-point works finish in any order: a later one is reaped while an earlier one runs.
-    p2p = [_Done() for _ in range(3)]
-    ptok = [eng.add(eng.now() + 3600) for _ in range(3)]
-    reaper._queues[(1, False)] = collections.deque(zip(p2p, ptok))
-    p2p[2].finished = True
-    assert reaper.reap_once() == 1 and [t.state for t in ptok] == [0, 0, 1] and reaper.pending() == 2
-    p2p[0].finished = p2p[1].finished = True
-    assert reaper.reap_once() == 2 and reaper.pending() == 0
-
-
-@pytest.mark.timeout(30)
-def test_reaper_stops_and_lets_go_of_its_works_at_exit() -> None:
-    # At exit (atexit, before finalization) the reaper ends its thread and drops what it holds:
-    # a daemon thread still holding works while the interpreter finalized aborted the process.
-    from fastdist.deadlines import engine
-    from fastdist.ops import polled
-
-    eng = engine()
-    reaper = polled.Reaper()
-    never = _Done()
-    tok = eng.add(eng.now() + 3600)
-    reaper.watch(7, never, tok)
-    thread = reaper._thread
-    assert thread is not None and thread.is_alive() and reaper.pending() == 1
-    reaper.stop()
-    assert not thread.is_alive() and reaper.pending() == 0
-    late = eng.add(eng.now() + 3600)
-    reaper.watch(7, never, late)  # after exit began: not watched
-    assert reaper.pending() == 0 and (reaper._thread is thread)
-    tok.cancel()
-    late.cancel()

@@ -43,12 +43,17 @@ def test_twenty_timeout_recover_cycles_leak_no_threads_fds_or_store_keys() -> No
 
 
 def test_fast_path_makes_no_store_traffic_and_an_unwaited_handle_still_times_out() -> None:
+    """On groups plain torch made: fastdist's ops take the watched C++ path (one op path)."""
     results = run_ranks(recovery_ranks.store_quiet_and_async_handler_exit, 2, absent=(1,))
     info = describe(results)
     for r in results:
         ops = r.record("store_ops")
         assert ops["during"] == 0 and ops["at_init"] > 0, info  # the counter does count
+        hist = r.record("history")  # numbered and kept by the C++ GroupCtl, as on a watched group
+        assert hist["n"] >= 4 and hist["ops"] == ["all_reduce", "barrier", "broadcast", "all_gather"], info
     r0 = results[0]
+    timeout = r0.record("sub_timeout")  # the report names the rank that never came
+    assert timeout["missing"] == [1] and 0.9 < timeout["seconds"] < 1.0 + 4 * EXIT_SLACK, info
     handler = r0.record("handler")
     assert handler["main"] is False and "all_reduce #" in handler["message"], info
     assert not r0.has("still_alive"), info

@@ -174,13 +174,14 @@ PYBIND11_MODULE(_watched, m) {
       .def_static("aborts", [] { return NcclDouble::aborts().load(); });
 
   // One group's op numbers, history and dead state (watched.h): a watched backend's `ctl`, or
-  // an unwatched group's, made here.
+  // one made here for a group torch made, shared by the private WatchedBackends fastdist issues
+  // its own ops on (`polled`: NCCL-like completion).
   py::class_<GroupCtl, std::shared_ptr<GroupCtl>>(m, "GroupCtl")
-      .def(py::init([](const std::string& name, int rank, int size) {
+      .def(py::init([](const std::string& name, int rank, int size, bool polled) {
              if (size < 1 || rank < 0 || rank >= size) throw py::value_error("rank must be in [0, size)");
-             return std::make_shared<GroupCtl>(name, rank, size, kNever, false, shared_engine());
+             return std::make_shared<GroupCtl>(name, rank, size, kNever, polled, shared_engine());
            }),
-           py::arg("name"), py::arg("rank"), py::arg("size"))
+           py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("polled") = false)
       .def_property_readonly("id", &GroupCtl::id)
       .def_property_readonly("seq", &GroupCtl::seq)
       .def(
@@ -242,6 +243,15 @@ PYBIND11_MODULE(_watched, m) {
              return b;
            }),
            py::arg("inner"), py::arg("name"), py::arg("default_timeout"), py::arg("polled") = false)
+      // A private wrapper of a group torch made (fastdist's own ops go through it), numbered,
+      // bounded and reported by `ctl`, which its other devices' wrappers share.
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::shared_ptr<GroupCtl>& ctl) {
+             TORCH_CHECK(ctl->engine, "the GroupCtl was made before fastdist._watched.set_engine()");
+             auto b = c10::make_intrusive<WatchedBackend>(inner, ctl);
+             register_backend(b);
+             return b;
+           }),
+           py::arg("inner"), py::arg("ctl"))
       .def_property_readonly("inner", &WatchedBackend::inner)
       .def("swap_inner", &WatchedBackend::swap_inner, py::arg("fresh"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("ctl_id", [](const WatchedBackend& b) { return b.ctl()->id(); })

@@ -28,7 +28,7 @@ else:  # extension modules: loaded by their full names
     _core = importlib.import_module("fastdist._core")
     _watched = importlib.import_module("fastdist._watched")
 
-__all__ = ["_core", "_watched", "watched_backends"]
+__all__ = ["_core", "_watched", "hand_engine_over", "watched_backends"]
 
 
 def watched_backends(pg: Any) -> list[Any]:
@@ -49,3 +49,14 @@ def watched_backends(pg: Any) -> list[Any]:
         if isinstance(backend, _watched.WatchedBackend) and all(b.ctl_id != backend.ctl_id for b in out):
             out.append(backend)
     return out
+
+
+_engine_handed = False
+
+
+def hand_engine_over() -> None:
+    """Gives ``_watched`` the one deadline engine of ``_core`` (before any GroupCtl is made)."""
+    global _engine_handed
+    if not _engine_handed:
+        _watched.set_engine(_core._engine_capsule())
+        _engine_handed = True

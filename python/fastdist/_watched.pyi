@@ -1,6 +1,6 @@
 """Stub for fastdist's watched-group module (csrc/watched/). Times are seconds on the engine clock."""
 
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, overload
 
 from torch._C._distributed_c10d import Backend
 
@@ -30,9 +30,10 @@ class FaultKind:
     def name(self) -> str: ...
 
 class GroupCtl:
-    """One group's op numbers, history and dead state (a watched backend's, or an unwatched group's)."""
+    """One group's op numbers, history and dead state (a watched backend's, or the one a group
+    torch made shares with its private WatchedBackends)."""
 
-    def __init__(self, name: str, rank: int, size: int) -> None: ...
+    def __init__(self, name: str, rank: int, size: int, polled: bool = False) -> None: ...
     @property
     def id(self) -> int: ...
     @property
@@ -65,7 +66,10 @@ class NcclDouble(Backend):
     def aborts() -> int: ...
 
 class WatchedBackend(Backend):
+    @overload
     def __init__(self, inner: Backend, name: str, default_timeout: float, polled: bool = False) -> None: ...
+    @overload
+    def __init__(self, inner: Backend, ctl: GroupCtl) -> None: ...
     @property
     def inner(self) -> Backend: ...
     def swap_inner(self, fresh: Backend) -> None: ...

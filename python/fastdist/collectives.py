@@ -229,6 +229,15 @@ def _sig_reducing(*args: Any) -> str:
     return f"{arguments.sig(*args[:-1])}, {args[-1]}"
 
 
+def _with_root(group: Any, rank: int | None, name: str) -> tuple[Any, Any]:
+    """The group resolved (``dispatch.run`` takes it as it is), and ``rank`` (a global rank, the
+    argument ``name``) as a rank of it: None for a process outside the group, or no rank."""
+    pg = pgstate.resolve(group)
+    if pg is None or rank is None:
+        return (dist.GroupMember.NON_GROUP_MEMBER if pg is None else pg), None
+    return pg, arguments.group_rank(pg, rank, name)
+
+
 def reduce(
     tensor: torch.Tensor,
     dst: int,
@@ -245,13 +254,11 @@ def reduce(
     arguments.check_rank(dst, "dst")
     arguments.check_bool(async_op, "async_op")
     t = arguments.real(tensor)
+    group, root = _with_root(group, dst, "dst")
 
     def issue(pg: Any, opts: Any) -> Any:
         opts = backend_options(
-            ReduceOptions,
-            deadline,
-            current_time(),
-            (("reduceOp", op), ("rootRank", arguments.group_rank(pg, dst, "dst")), ("rootTensor", 0)),
+            ReduceOptions, deadline, current_time(), (("reduceOp", op), ("rootRank", root), ("rootTensor", 0))
         )
         return pg.reduce([t], opts)
 
@@ -281,13 +288,11 @@ def broadcast(
     arguments.check_rank(src, "src")
     arguments.check_bool(async_op, "async_op")
     t = arguments.real(tensor)
+    group, root = _with_root(group, src, "src")
 
     def issue(pg: Any, opts: Any) -> Any:
         opts = backend_options(
-            BroadcastOptions,
-            deadline,
-            current_time(),
-            (("rootRank", arguments.group_rank(pg, src, "src")), ("rootTensor", 0)),
+            BroadcastOptions, deadline, current_time(), (("rootRank", root), ("rootTensor", 0))
         )
         return pg.broadcast([t], opts)
 
@@ -490,9 +495,9 @@ def _rooted(
     if tensors is not None:
         arguments.check_tensor_list(tensors, list_name)
     arguments.check_bool(async_op, "async_op")
+    group, root_rank = _with_root(group, root, root_name)
 
     def issue(pg: Any, _opts: Any) -> Any:
-        root_rank = arguments.group_rank(pg, root, root_name)
         opts = backend_options(kind, deadline, current_time(), (("rootRank", root_rank),))
         if pg.rank() != root_rank:
             return call(pg, tensor, [], opts)
@@ -624,16 +629,17 @@ def _p2p(
         raise TypeError(f"tag must be an int, got {type(tag).__name__}: {tag!r}")
     t = arguments.real(tensor)
     sender: list[Any] = []
+    group, peer_rank = _with_root(group, peer, name)
 
     def issue(pg: Any, _opts: Any) -> Any:
         if op in ("send", "isend"):
-            assert peer is not None  # checked above
-            return pg.send([t], arguments.group_rank(pg, peer, name), tag)
-        if peer is None:
+            assert peer_rank is not None  # checked above
+            return pg.send([t], peer_rank, tag)
+        if peer_rank is None:
             w = pg.recv_anysource([t], tag)
             sender.append(w)
             return w
-        return pg.recv([t], arguments.group_rank(pg, peer, name), tag)
+        return pg.recv([t], peer_rank, tag)
 
     work = dispatch.run(
         op,

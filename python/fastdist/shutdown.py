@@ -12,11 +12,11 @@ Python finalizes, everything that may still call back into it is let finish, in 
 2. the engine runs the actions already due (a recovery agreement's closer whose deadline came
    with the exit): they hand store work to the closer thread, drained in step 6;
 3. ops abandoned at their deadline end in the backend (gloo: at its own timeout, shortly after the
-   deadline), watched and unwatched: at most OPS_SECONDS, none after Ctrl-C (the ops it ended
+   deadline): at most OPS_SECONDS, none after Ctrl-C (the ops it ended
    wait for peers that never come, until the group's timeout, often minutes);
 4. backend threads finish releasing ops that just completed (SETTLE_SECONDS): a waiter that woke
    on completion and exits at once can beat gloo's worker dropping the op's tensors;
-5. NCCL aborts in progress end, the reaper stops; dead groups' backends are kept, never
+5. NCCL aborts in progress end; dead groups' backends are kept, never
    destroyed (a destructor would join a thread still inside an op);
 6. store calls given up on, or handed to the closer thread, return (the network may have come
    back): what is left of EXIT_SECONDS.

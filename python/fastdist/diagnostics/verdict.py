@@ -1,8 +1,7 @@
 """What a failed op on a group means: the typed error a caller gets.
 
-One place for both kinds of group: watched ones (fastdist.ops.watching builds the error once per fault,
-called from C++) and groups fastdist does not watch (fastdist.ops.unwatched). The report itself, who
-arrived and who did not, is fastdist.diagnostics.
+Read by fastdist.ops.fault, which builds the error once per fault (called from C++). The report
+itself, who arrived and who did not, is fastdist.diagnostics.board.
 """
 
 from __future__ import annotations

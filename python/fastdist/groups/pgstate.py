@@ -19,12 +19,13 @@ import time
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _Backend
 
 _world = dist.distributed_c10d._world
 
-from .._native import _watched, watched_backends
+from .._native import _watched, hand_engine_over, watched_backends
 from ..errors import GroupAbortedError
 from ..store import keys
 from . import native_report
@@ -59,6 +60,7 @@ class GroupState:
         "global_ranks",
         "is_default",
         "name",
+        "own",
         "owner",
         "polled",
         "rank",
@@ -90,9 +92,18 @@ class GroupState:
         # and reports every op itself.
         self.watched = watched_backend(pg)
         # The group's op numbers, history and dead state, kept in C++ by the same rules for every
-        # group: its watched backend's, or one of its own.
+        # group: its watched backend's, or, for a group torch made, one of its own, which the
+        # private WatchedBackends that fastdist's own ops on it go through share (``own``: one per
+        # device type; torch's own calls on such a group stay unwatched).
         watched = self.watched
-        self.ctl: Any = _watched.GroupCtl(self.name, self.rank, self.size) if watched is None else watched.ctl
+        self.own: dict[str, Any] = {}
+        if watched is None:
+            hand_engine_over()
+            self.ctl: Any = _watched.GroupCtl(self.name, self.rank, self.size, self.polled)
+            self.own = _own_backends(pg, self.ctl)
+            _own_ctls[self.ctl.id] = self.ref  # (made under state_of's lock)
+        else:
+            self.ctl = watched.ctl
         # The thread in a blocking fastdist call on the group, if any (see collectives).
         self.owner: int | None = None
         _generation_began(self)
@@ -140,6 +151,19 @@ class GroupState:
     def my_global_rank(self) -> int:
         return self.global_rank(self.rank)
 
+    def own_backend(self, args: tuple[Any, ...]) -> Any:
+        """The private WatchedBackend of a group torch made for an op on ``args``: the one of the
+        first tensor's device type (a group with one backend: that one)."""
+        own = self.own
+        if len(own) != 1:
+            for a in args:
+                t = a[0] if isinstance(a, (list, tuple)) and a else a
+                if isinstance(t, torch.Tensor) and t.device.type in own:
+                    return own[t.device.type]
+        if not own:
+            raise TypeError(f"group {self.name!r} has no backend fastdist can issue its ops on")
+        return next(iter(own.values()))
+
     def ring_children(self, root: int, dead: frozenset[int] = frozenset()) -> list[int]:
         """This rank's children in the ring tree rooted at group rank ``root`` (see
         fastdist.diagnostics.ring), as global ranks; a child in ``dead`` (global ranks known
@@ -176,17 +200,49 @@ def ring_parent_position(pos: int, size: int) -> int:
     return 0 if size <= FLAT_RING_MAX else (pos - 1) // 2
 
 
+# The GroupCtl id of each group torch made -> the group (for the fault builder, as
+# fastdist.groups.registry has it for watched backends).
+_own_ctls: dict[int, Any] = {}
+
+
+def own_group_of(ctl_id: int) -> Any | None:
+    """The live group whose own GroupCtl is ``ctl_id`` (a group torch made), or None."""
+    ref = _own_ctls.get(ctl_id)
+    return ref() if ref is not None else None
+
+
+def _own_backends(pg: Any, ctl: Any) -> dict[str, Any]:
+    """A WatchedBackend around each of ``pg``'s own backends (one per device type), sharing
+    ``ctl``; a raw backend passed as ``group=`` gets one around itself."""
+    if isinstance(pg, _Backend):
+        return {"": _watched.WatchedBackend(pg, ctl)}
+    try:
+        types = list(pg._device_types) or [torch.device("cpu")]
+    except (AttributeError, RuntimeError):
+        return {}
+    out: dict[str, Any] = {}
+    for device in types:
+        if device.type in out:
+            continue
+        try:
+            out[device.type] = _watched.WatchedBackend(pg._get_backend(device), ctl)
+        except (RuntimeError, TypeError) as exc:  # no backend for it, or one C++ cannot hold
+            logger.debug("fastdist: group %r: no private backend for %s: %r", ctl.id, device, exc)
+    return out
+
+
 def _generation_began(st: GroupState) -> None:
     """A group's state was made, or its generation changed: its watched backends' native report
-    gets this generation's keys."""
+    (or its private ones', for a group torch made) gets this generation's keys."""
     pg = st.ref()
-    if pg is None or st.watched is None or st.size <= 1:
+    if pg is None or st.size <= 1:
+        return
+    backends = list(st.own.values()) if st.watched is None else watched_backends(pg)
+    if not backends:
         return
     inboxes = [keys.inbox(child) for child in st.ring_children(st.rank)]
     try:
-        native_report.arm(
-            watched_backends(pg), st.store, st.name, st.generation, st.rank, st.my_global_rank, inboxes
-        )
+        native_report.arm(backends, st.store, st.name, st.generation, st.rank, st.my_global_rank, inboxes)
     except Exception as exc:  # noqa: BLE001 - the report's arming must not fail the group
         logger.warning("fastdist: arming the native report failed on group %r: %r", st.name, exc)
 

@@ -32,9 +32,12 @@ def add(ctl_id: int, pg: Any, device: Any) -> None:
 
 
 def group_of(ctl_id: int) -> Any | None:
-    """The live ProcessGroup of the watched backend ``ctl_id``, or None."""
+    """The live ProcessGroup of the watched backend ``ctl_id`` (or of the private backends a group
+    torch made has for fastdist's own ops), or None."""
     entry = _registry.get(ctl_id)
-    return entry[0]() if entry is not None else None
+    if entry is None:
+        return pgstate.own_group_of(ctl_id)  # a group torch made: fastdist's own ops' backends
+    return entry[0]()
 
 
 backend_of = pgstate.watched_backend
@@ -49,13 +52,15 @@ def history(group: Any = None) -> list[dict[str, Any]]:
     many), ``thread`` (the issuer's ``threading.get_ident()``), ``start`` and ``end`` (on
     :func:`fastdist.current_time`'s clock; ``end`` None while in flight) and ``outcome``
     (``"pending"``, ``"ok"``, ``"timed_out"``, ``"failed"``). Kept in a fixed ring by the watched
-    backend at a cost of about 100 ns per op; empty for a group fastdist does not watch."""
+    backend at a cost of about 100 ns per op; on a group torch made, fastdist's own ops only."""
     pg = pgstate.resolve(group)
     if pg is None:
         return []
     out: list[dict[str, Any]] = []
-    for b in backends_of(pg):
-        out.extend(b.ctl.history())
+    # A group torch made: its private backends, for fastdist's own ops, share one GroupCtl.
+    ctls = [b.ctl for b in backends_of(pg)] or [pgstate.state_of(pg).ctl]
+    for ctl in ctls:
+        out.extend(ctl.history())
     return sorted(out, key=lambda r: int(r["seq"]))
 
 

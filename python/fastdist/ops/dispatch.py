@@ -1,11 +1,13 @@
-"""Where fastdist's own functions issue their op: one path per kind of group.
+"""Where fastdist's own functions issue their op: one path for every group.
 
 A public function (fastdist.collectives) checks its arguments, computes its deadline and hands an
 ``issue(pg, options, *args)`` function to :func:`run`. On a watched group (every group made by or after
 ``fastdist.init_process_group``) that is thin: the deadline, torch's op on the group, then the
 wait; the watched backend (fastdist._watched, chosen per group when the group was made: a future's
 completion, a polled completion query for NCCL, or a posted op with no future for gloo's
-send/recv) numbers, bounds and reports the op. Any other group goes through fastdist.ops.unwatched.
+send/recv) numbers, bounds and reports the op. A group torch made (before or without
+``fastdist.init_process_group``, or a raw backend) takes the same path through a private
+WatchedBackend around its own backend: one op path.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .._native import _core, _watched
 from ..deadlines import TimeoutLike, current_time, effective_deadline
 from ..errors import FastdistError
 from ..groups import checks, pgstate
-from . import unwatched
+from . import watching
 from .work import NO_TIMEOUT, Work, backend_options, options_cache
 
 _world = dist.distributed_c10d._world
@@ -65,11 +67,17 @@ def run(
             pgstate.resolve(None)  # raises: the default group is not initialized
         return None
     st = pgstate.state_of(pg)
+    # The deadline, the op, then the wait. The watched backend numbers the op, enforces the
+    # deadline, gives gloo its per-call timeout, and raises the typed error (with the report)
+    # from the wait; see fastdist.ops.watching and fastdist.ops.fault. On a watched group the op
+    # goes through torch's ProcessGroup to it; on a group torch made, to the private
+    # WatchedBackend around the group's own backend (torch's own calls there stay unwatched).
     if st.watched is None:
-        return unwatched.run(op, pg, st, start, deadline, issue, args, kind, signature, async_op, fields)
-    # A watched group: the deadline, torch's op on the group, then the wait. The watched backend
-    # numbers the op, enforces the deadline, gives gloo its per-call timeout, and raises the
-    # typed error (with the report) from the wait; see fastdist.ops.watching.
+        target = st.own_backend(args)
+        if not watching.installed():
+            watching.install()
+    else:
+        target = pg
     if checks.active:
         # Checked calls are numbered apart from the backend's ops: a call refused for a mismatch
         # issues no op, on every rank.
@@ -88,7 +96,7 @@ def run(
             opts = backend_options(kind, math.inf, 0.0, fields)
     _set_next_deadline(deadline)
     try:
-        work = issue(pg, opts, *args)
+        work = issue(target, opts, *args)
     finally:
         _clear_next_deadline()  # an issue that failed before reaching the backend
     if async_op:

@@ -1,8 +1,8 @@
-"""Where a fault becomes an error: one module for both op paths.
+"""Where a fault becomes an error.
 
-The watched backend (csrc/watched) calls :func:`build` once per fault, with the GIL, for the
-exception every waiter of the group raises; fastdist.ops.unwatched calls :func:`timed_out` for a
-group it does not watch. What follows a deadline is one sequence (:func:`timed_out`): the group is
+The watched backend (csrc/watched: a watched group's, or the private one fastdist's own ops on a
+group torch made go through) calls :func:`build` once per fault, with the GIL, for the exception
+every waiter of the group raises. What follows a deadline is one sequence (:func:`timed_out`): the group is
 marked dead (an NCCL-like group's communicators start aborting, bounded, in the background), the
 who-is-missing report is gathered (fastdist.diagnostics.board, which reads the records; its
 verdicts: fastdist.diagnostics.verdict), ranks that never answered are named to ``fastdist run``,

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch._C._distributed_c10d import ProcessGroup
 
-from .._native import _core, _watched
+from .._native import _watched, hand_engine_over
 from ..deadlines import get_default_timeout
 from ..groups import checks, pgstate, registry
 from . import fault
@@ -145,13 +145,36 @@ def activate(user_timeout: float | None) -> None:
         _user_timeout = user_timeout
         if _active:
             return
-        _watched.set_engine(_core._engine_capsule())
-        _watched.set_fault_builder(fault.build)
-        _watched.set_check_hook(_check)
-        _watched.set_main_thread(threading.main_thread().ident or 0)
-        _watched.install_sigint_hook()
+        _install()
         ProcessGroup._register_backend = _register_backend  # type: ignore[method-assign,assignment]
         _active = True
+
+
+_installed = False
+
+
+def installed() -> bool:
+    return _installed
+
+
+def install() -> None:
+    """What the C++ side calls back into (the fault builder, the checks, Ctrl-C), set once: by
+    :func:`activate`, or before fastdist's first op on a group torch made."""
+    if not _installed:
+        with _lock:
+            _install()
+
+
+def _install() -> None:
+    global _installed
+    if _installed:
+        return
+    hand_engine_over()
+    _watched.set_fault_builder(fault.build)
+    _watched.set_check_hook(_check)
+    _watched.set_main_thread(threading.main_thread().ident or 0)
+    _watched.install_sigint_hook()
+    _installed = True
 
 
 def _check(ctl_id: int, op: str, signature: str, deadline: float) -> bool:

@@ -4,7 +4,7 @@ A torch ``Work`` (or ``torch.futures.Future``) is tied to an engine token: the f
 done-callback is the token's notifier (a small C++ object), so a waiter blocked in C++ (GIL
 released) wakes the moment the work ends, without polling, or when the engine expires the token
 at the deadline. gloo's point-to-point work has no future; it is waited on with torch's own
-GIL-free bounded wait. (NCCL's futures complete at enqueue time: see polled.)
+GIL-free bounded wait. (NCCL's futures complete at enqueue time: the watched backend polls its works.)
 
 Work abandoned at its deadline is still in flight, and its done-callback is Python code that
 torch will run on a backend thread when the work finally ends. If that happened during
