@@ -423,14 +423,19 @@ def test_a_dead_node_is_replaced_by_a_new_agent_and_the_live_nodes_workers_go_on
         assert codes == [0, 0], text
         said = "in place of node 1 (its agent stopped answering): ranks 1-2 of 3 start again"
         assert said in text["c"], text
-        for r in (1, 2):
-            assert f"rank {r}: joined the running job at step 5" in text["c"], text
         evs = _events(events)
         # The live node's worker: one process from the first step to the last.
         assert {e["pid"] for e in evs if e["rank"] == 0} == {by_rank[0]["pid"]}, evs
         assert [e["step"] for e in evs if e["rank"] == 0 and e["event"] == "step"][-1] == STEPS, evs
+        # Rank 2 dies in step 5. Node B's agent is killed (with rank 1) a moment later, and a
+        # connection closed with data unread resets: rank 0 may then not have returned from step
+        # 4's last all_reduce (seen once in CI: "step 4 failed ... Connection reset by peer"). It
+        # redoes the step it was in, and the newcomers join it there.
         joined = sorted((e["rank"], e["step"]) for e in evs if e["event"] == "joined")
-        assert joined == [(1, 5), (2, 5)], evs
+        step = joined[0][1] if joined else None
+        assert step in (4, 5) and joined == [(1, step), (2, step)], evs
+        for r in (1, 2):
+            assert f"rank {r}: joined the running job at step {step}" in text["c"], text
         assert compare(str(reference), str(out), 3) == 0.0
     finally:
         kill_sessions(procs)
