@@ -101,7 +101,6 @@ class GroupState:
             hand_engine_over()
             self.ctl: Any = _watched.GroupCtl(self.name, self.rank, self.size, self.polled)
             self.own = _own_backends(pg, self.ctl)
-            _own_ctls[self.ctl.id] = self.ref  # (made under state_of's lock)
         else:
             self.ctl = watched.ctl
         # The thread in a blocking fastdist call on the group, if any (see collectives).
@@ -200,15 +199,15 @@ def ring_parent_position(pos: int, size: int) -> int:
     return 0 if size <= FLAT_RING_MAX else (pos - 1) // 2
 
 
-# The GroupCtl id of each group torch made -> the group (for the fault builder, as
-# fastdist.groups.registry has it for watched backends).
-_own_ctls: dict[int, Any] = {}
-
-
 def own_group_of(ctl_id: int) -> Any | None:
-    """The live group whose own GroupCtl is ``ctl_id`` (a group torch made), or None."""
-    ref = _own_ctls.get(ctl_id)
-    return ref() if ref is not None else None
+    """The live group torch made whose own GroupCtl is ``ctl_id``, or None (for the fault
+    builder, once per fault: fastdist.groups.registry has watched backends' groups)."""
+    with _lock:
+        states = list(_states.values())
+    for st in states:
+        if st.watched is None and st.ctl.id == ctl_id:
+            return st.ref()
+    return None
 
 
 def _own_backends(pg: Any, ctl: Any) -> dict[str, Any]:

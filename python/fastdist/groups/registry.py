@@ -57,9 +57,7 @@ def history(group: Any = None) -> list[dict[str, Any]]:
     if pg is None:
         return []
     out: list[dict[str, Any]] = []
-    # A group torch made: its private backends, for fastdist's own ops, share one GroupCtl.
-    ctls = [b.ctl for b in backends_of(pg)] or [pgstate.state_of(pg).ctl]
-    for ctl in ctls:
+    for ctl in pgstate.state_of(pg).ctls():  # (a group torch made: the one its own backends share)
         out.extend(ctl.history())
     return sorted(out, key=lambda r: int(r["seq"]))
 

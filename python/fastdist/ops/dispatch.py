@@ -74,8 +74,7 @@ def run(
     # WatchedBackend around the group's own backend (torch's own calls there stay unwatched).
     if st.watched is None:
         target = st.own_backend(args)
-        if not watching.installed():
-            watching.install()
+        watching.install()
     else:
         target = pg
     if checks.active:

@@ -153,10 +153,6 @@ def activate(user_timeout: float | None) -> None:
 _installed = False
 
 
-def installed() -> bool:
-    return _installed
-
-
 def install() -> None:
     """What the C++ side calls back into (the fault builder, the checks, Ctrl-C), set once: by
     :func:`activate`, or before fastdist's first op on a group torch made."""
