@@ -65,10 +65,12 @@ def stuck() -> bool:
 
 
 class _Helpers:
-    """The helper threads of :func:`bounded`: one is started when none is idle, and waits
-    HELPER_IDLE_SECONDS for more work once done. A fault's report runs several bounded calls in a
-    row on each rank, and on a loaded host the start of a thread (its handshake with the starting
-    one, two hand-overs of the GIL) cost milliseconds of it; an idle helper is woken in one."""
+    """The helper threads of :func:`bounded`: one is started when none is idle; once done, it
+    waits HELPER_IDLE_SECONDS for more work unless MAX_IDLE_HELPERS wait already (then it ends,
+    so that calls made at once leave no threads behind). A fault's report runs several bounded
+    calls in a row on each rank, and on a loaded host the start of a thread (its handshake with
+    the starting one, two hand-overs of the GIL) cost milliseconds of it; an idle helper is woken
+    in one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -88,6 +90,8 @@ class _Helpers:
             job()
             job = None  # type: ignore[assignment]  # (its references go now, not at the next job)
             with self._lock:
+                if self._idle >= MAX_IDLE_HELPERS:
+                    return
                 self._idle += 1
             try:
                 job = self._jobs.get(timeout=HELPER_IDLE_SECONDS)
@@ -99,8 +103,9 @@ class _Helpers:
                 job = self._jobs.get()  # a job was promised just as the wait ended: it comes
 
 
-# How long an idle helper of bounded() waits for another call before it ends.
+# How long an idle helper of bounded() waits for another call before it ends, and how many wait.
 HELPER_IDLE_SECONDS = 30.0
+MAX_IDLE_HELPERS = 1
 _helpers = _Helpers()
 
 
