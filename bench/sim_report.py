@@ -20,12 +20,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
-import functools
 import json
 import sys
 import threading
 import time
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,18 +81,8 @@ def main() -> None:
     ranks = []
     for i, r in enumerate(range(first, first + count)):
         counter = [0]
-        st = types.SimpleNamespace(
-            store=Counting(conns[2 * i], counter),
-            size=world,
-            rank=r,
-            name="sim",
-            generation=0,
-            my_global_rank=r,
-            global_ranks=None,
-            global_rank=lambda x: x,
-            ref=lambda: None,  # no torch group behind it: no history (the waits are made up below)
-        )
-        st.ring_children = functools.partial(pgstate.GroupState.ring_children, st)
+        # No torch group behind it: no history (the waits are made up below).
+        st = pgstate.GroupState.without_group(Counting(conns[2 * i], counter), r, world, "sim")
         ranks.append((r, st, counter, conns[2 * i + 1]))
     keywait.waiter = _own_waiter  # type: ignore[assignment]
     # The store work runs in the simulated rank's own thread (in a job it runs in a bounded

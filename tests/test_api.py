@@ -193,7 +193,7 @@ def test_every_group_keeps_its_op_numbers_and_dead_state_by_one_set_of_rules() -
     fastdist.barrier(pg, timeout=10)
     fastdist.all_reduce(torch.ones(1), group=pg, timeout=10)
     assert st.ctl.seq == 2 and st.prev_op_of(2) == "barrier #1" and not fastdist.is_dead(pg)
-    pgstate.mark_dead(pg, "stopped by the test")
+    st.mark_dead("stopped by the test")
     assert fastdist.is_dead(pg) and st.dead_reason == "stopped by the test"
     with pytest.raises(GroupAbortedError, match="stopped by the test"):
         fastdist.barrier(pg, timeout=10)
@@ -437,9 +437,7 @@ def test_every_benchmark_runs_once_in_smoke_mode(part: str, tmp_path: Any) -> No
 def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
     """The store has no authentication: a record that is not fastdist's (garbage, another JSON
     shape, missing fields) is refused with a clear message wherever fastdist reads one."""
-    import functools
     import json
-    import types
 
     import torch.distributed as dist
     from fastdist.diagnostics import board
@@ -449,17 +447,7 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
     from fastdist.store.job import JOB
 
     store = dist.HashStore()
-    st = types.SimpleNamespace(
-        ref=lambda: None,
-        store=store,
-        size=3,
-        rank=0,
-        name="g",
-        generation=0,
-        my_global_rank=0,
-        global_rank=lambda r: r,
-    )
-    st.ring_children = functools.partial(pgstate.GroupState.ring_children, st)
+    st = pgstate.GroupState.without_group(store, 0, 3, "g")
     prefix = keys.key("diag", "g", 0)
     store.append(f"{prefix}/status", "{not json\n")
     good = {"rank": 2, "op": "barrier", "seq": 4, "state": "timed_out", "t": 1.0}

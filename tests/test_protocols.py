@@ -6,11 +6,9 @@ in for ranks, on a HashStore (waits poll it: there is no second connection)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 import time
-import types
 from typing import Any
 
 import pytest
@@ -26,21 +24,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _rank(store: Any, rank: int, size: int, name: str = "g") -> Any:
-    """A stand-in for fastdist's GroupState: what the protocols read of it (its ring tree is
-    GroupState's own)."""
-    st = types.SimpleNamespace(
-        ref=lambda: None,
-        store=store,
-        size=size,
-        rank=rank,
-        name=name,
-        generation=0,
-        my_global_rank=rank,
-        global_ranks=None,
-        global_rank=lambda r: r,
-    )
-    st.ring_children = functools.partial(pgstate.GroupState.ring_children, st)
-    return st
+    """The state of rank ``rank`` of a simulated group, with no torch group behind it."""
+    return pgstate.GroupState.without_group(store, rank, size, name)
 
 
 class Counting:

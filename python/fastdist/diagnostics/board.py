@@ -96,10 +96,7 @@ def _prefix(st: GroupState) -> str:
     return keys.board(st.name, st.generation)
 
 
-# (group name, generation) pairs this process has posted its status for: once each, so that the
-# count of posting ranks is exact (a rank can both time out and be rung by a peer).
-_posted: set[tuple[str, int, int]] = set()
-_posted_lock = threading.Lock()
+_posted_lock = threading.Lock()  # (see Lineage.posted)
 
 
 # How many of a rank's last completed ops its status carries (as [seq, microseconds waited]),
@@ -110,11 +107,8 @@ WAITS_KEPT = 16
 def waits(st: GroupState) -> list[list[int]]:
     """This rank's last completed ops on the group as ``[seq, microseconds from issue to end]``
     pairs, from the watched backend's history ring (empty for a group fastdist does not watch)."""
-    pg = st.ref()
-    if pg is None:
-        return []
     try:
-        done = [r for r in registry.history(pg) if r["outcome"] == "ok" and r["end"] is not None]
+        done = [r for r in st.history() if r["outcome"] == "ok" and r["end"] is not None]
         recent = done[-WAITS_KEPT:]
         return [[int(r["seq"]), round((float(r["end"]) - float(r["start"])) * 1e6)] for r in recent]
     except Exception as exc:  # noqa: BLE001 - a hint must never cost the report itself
@@ -132,10 +126,11 @@ def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bo
     and one add. True when this rank's post completed the board (every rank of the group has now
     posted) and this rank closed it: then it alone reads the board and publishes the summary
     (:func:`publish`). False otherwise, and when this rank had posted already."""
+    posted, key = st.lineage.posted, (st.generation, st.rank)
     with _posted_lock:
-        if (st.name, st.generation, st.rank) in _posted:
+        if key in posted:
             return False
-        _posted.add((st.name, st.generation, st.rank))
+        posted.add(key)
     if _posted_natively(st):  # C++ posted it at the deadline, while Python could not run
         return False
     store = st.store if store is None else store

@@ -158,7 +158,7 @@ def _handle_death(death: dict[str, Any]) -> None:
         for b in registry.backends_of(pg):
             failed = b.fail_remote(detail, reason) or failed
         if not failed:
-            pgstate.mark_dead(pg, reason)
+            st.mark_dead(reason)
 
 
 _DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
@@ -220,5 +220,5 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
         for b in backends:
             b.fail_remote(record, reason)
         if not inflight:  # (an op in flight counts its fault where it fails: fastdist.ops.watching)
-            pgstate.mark_dead(pg, reason)
+            st.mark_dead(reason)
             events.emit("abort", st.my_global_rank, st.name, st.generation, str(fault["op"]), reason=reason)

@@ -11,7 +11,6 @@ import time
 
 from ..deadlines import current_time
 from ..errors import CollectiveTimeoutError, GroupAbortedError
-from ..groups import pgstate
 from ..groups.opcall import OpCall
 from ..store import job
 from ..store.bounded import GRACE_SECONDS
@@ -74,8 +73,8 @@ def timeout_error(call: OpCall, rep: board.Report | None, cause: str | None) -> 
 def peer_closed(call: OpCall, text: str) -> BaseException:
     """A peer closed the group under ``call``: it timed out first (then this is a timeout too,
     unless this rank only arrived after that: a straggler), or it died. Marks the group dead."""
-    pg, st, op, seq, start, deadline = call.pg, call.st, call.op, call.seq, call.start, call.deadline
-    pgstate.mark_dead(pg, f"a peer closed its connection during {op} #{seq}")
+    st, op, seq, start, deadline = call.st, call.op, call.seq, call.start, call.deadline
+    st.mark_dead(f"a peer closed its connection during {op} #{seq}")
     started_wall = time.time() - (current_time() - start)
     # Under fastdist run the agent records a death within its monitor interval: a dead rank is
     # named at once, with how it ended, instead of waited for by the report.
@@ -87,15 +86,15 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
         # the error says the store is gone, now, as the report's own failure would.
         JOB.note_store_failure(exc)
         reason = f"{JOB.store_gone_reason()}; {op} #{seq} failed: {text}"
-        pgstate.mark_dead(pg, reason, replace=True)
+        st.mark_dead(reason, replace=True)
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     if dead:
         who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
         # The ranks not connected to the dead one would wait for their deadline: ring them.
         board.announce(st, op, seq, "aborted", dead=who, dead_ranks=list(dead))
         reason = f"{who}; {op} #{seq} failed: {text}"
-        pgstate.mark_dead(pg, reason, replace=True)
-        pgstate.presume_gone(st, list(dead))
+        st.mark_dead(reason, replace=True)
+        st.presume_gone(list(dead))
         return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
     # The report rings every live rank at once (they answer within its window), and a peer that
     # timed out posted before it closed the group: no need to wait for this op's deadline too
@@ -106,12 +105,12 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
         why = JOB.store_gone_reason()
     if cause is not None:
         assert rep is not None  # a cause comes from a report's timed-out ranks
-        pgstate.mark_dead(pg, f"{op} #{seq} timed out on rank {min(rep.timed_out)}", replace=True)
+        st.mark_dead(f"{op} #{seq} timed out on rank {min(rep.timed_out)}", replace=True)
         return timeout_error(call, rep, cause)
     reason = f"{why}; {op} #{seq} failed: {text}"
-    pgstate.mark_dead(pg, reason, replace=True)
+    st.mark_dead(reason, replace=True)
     if rep is not None and rep.missing and not rep.timed_out:
         # They closed their connections and did not answer the ring: gone. A recovery that may
         # shrink does not wait for them (see fastdist.recovery).
-        pgstate.presume_gone(st, rep.missing)
+        st.presume_gone(rep.missing)
     return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)

@@ -1,6 +1,7 @@
-"""Process groups as fastdist sees them: resolving ``group=``, per-group state (name, the store
-used for diagnostics, and its GroupCtl: op numbers, history and dead state, kept in C++ for every
-group), and the record of groups that died.
+"""Process groups as fastdist sees them: resolving ``group=``, and the one record of each group
+(:class:`GroupState`: its name, ranks, the store used for diagnostics, its GroupCtl with the op
+numbers, history and dead state kept in C++, its recoveries, and its :class:`Lineage`, the part
+that outlives a rebuild), and the record of groups that died.
 
 A group whose collective timed out is dead: gloo closes its connections, and any later op on it
 fails or hangs. fastdist remembers that and refuses every later call on it at once with
@@ -17,6 +18,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,8 +49,48 @@ def backend_name(pg: Any) -> str:
         return str(name() if callable(name) else name or "").lower()
 
 
+class Lineage:
+    """The part of a group's record that outlives one ProcessGroup object: a shrinking recovery
+    makes a new group under the same name (the default group is "default" again), and its state
+    goes on from the old one's. Shared by every :class:`GroupState` of the name."""
+
+    __slots__ = ("generation", "gone", "pending", "posted", "rounds")
+
+    def __init__(self) -> None:
+        # How many times the group has been recovered in this process: a new state starts there.
+        self.generation = 0
+        # Global ranks, by generation, that closed their connections mid-op and did not answer
+        # the report: a recovery allowed to shrink does not wait for them.
+        self.gone: dict[int, set[int]] = {}
+        # (generation, rank) pairs this process has posted its status for: once each, so that the
+        # count of posting ranks is exact (a rank can both time out and be rung by a peer).
+        self.posted: set[tuple[int, int]] = set()
+        # This rank's (op count, optimizer updates) when a recovery began, kept until one
+        # completes (fastdist.recovery.reconcile).
+        self.pending: tuple[int, int] | None = None
+        # The round in which each generation was agreed (0: the first), as this process saw it:
+        # the keys of its failed rounds are deleted with the generation's.
+        self.rounds: dict[int, int] = {}
+
+
+class Turns:
+    """Recoveries of one group in one process, one at a time: a thread that calls recover() while
+    another thread's recovery of the group runs waits for it and shares its outcome (its group,
+    or its error), rather than join the agreement a second time as the same rank."""
+
+    __slots__ = ("cond", "finished", "outcome", "running", "waiting")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.running = False
+        self.finished = 0
+        self.waiting = 0
+        # Kept only while a thread waits for it: an error holds its frames, and they the groups.
+        self.outcome: tuple[Any, BaseException | None] = (None, None)
+
+
 class GroupState:
-    """What fastdist tracks for one process group (held weakly: it dies with the group)."""
+    """Everything fastdist tracks for one process group (held weakly: it dies with the group)."""
 
     __slots__ = (
         "__weakref__",
@@ -59,19 +101,24 @@ class GroupState:
         "ctl",
         "global_ranks",
         "is_default",
+        "lineage",
         "name",
+        "op_base",
         "own",
         "owner",
         "polled",
         "rank",
+        "reconciled",
         "ref",
+        "retired",
         "size",
         "store",
+        "turns",
         "watched",
     )
 
     def __init__(self, pg: Any) -> None:
-        self.ref = weakref.ref(pg)
+        self.ref: Callable[[], Any] = weakref.ref(pg)
         self.name = name_of(pg)
         self.rank: int = pg.rank()
         self.size: int = pg.size()
@@ -79,11 +126,6 @@ class GroupState:
         # The store that diagnostics, checks and recovery use: the default store, which every
         # rank of every group shares. None for a hand-built backend outside any job.
         self.store: Any | None = _default_store() if self.global_ranks is not None else None
-        # fastdist's cross-rank checks number a watched group's checked calls apart from its ops.
-        self.checks_seq = 0
-        self._generation = _generations.get(self.name, 0)
-        # When this generation began (time.time()): a death recorded before it is not news to it.
-        self.began = time.time()
         self.backend = backend_name(pg)
         # NCCL-like: works must be polled for completion, and aborted at the deadline.
         self.polled = self.backend in POLLED_BACKENDS
@@ -103,8 +145,39 @@ class GroupState:
             self.own = _own_backends(pg, self.ctl)
         else:
             self.ctl = watched.ctl
+        self._begin(_lineages.setdefault(self.name, Lineage()))  # (state_of holds _lock)
+
+    @classmethod
+    def without_group(cls, store: Any, rank: int, size: int, name: str) -> GroupState:
+        """The state of a group with no torch group behind it (no ops, so no history), for a
+        simulation of the store protocols: the report and the recovery agreement at scale
+        (bench/sim_report.py) and their tests (tests/test_protocols.py)."""
+        st = cls.__new__(cls)
+        st.ref = lambda: None
+        st.name, st.rank, st.size, st.global_ranks, st.store = name, rank, size, None, store
+        st.backend, st.polled, st.is_default, st.watched, st.own = "", False, False, None, {}
+        hand_engine_over()
+        st.ctl = _watched.GroupCtl(name, rank, size, False)
+        st._begin(Lineage())
+        return st
+
+    def _begin(self, lineage: Lineage) -> None:
+        """The part of the record that fastdist keeps, not torch's group."""
+        self.lineage = lineage
+        self._generation = lineage.generation
+        # When this generation began (time.time()): a death recorded before it is not news to it.
+        self.began = time.time()
+        # fastdist's cross-rank checks number a watched group's checked calls apart from its ops.
+        self.checks_seq = 0
         # The thread in a blocking fastdist call on the group, if any (see collectives).
         self.owner: int | None = None
+        # Its recoveries (fastdist.recovery): one at a time; the op count its members' state was
+        # at when its numbering last started afresh; what the last one found (a Reconciliation).
+        self.turns = Turns()
+        self.op_base = 0
+        self.reconciled: Any = None
+        # Replaced by a new group in a shrinking recovery: never rebuilt in place again.
+        self.retired = False
         _generation_began(self)
 
     @property
@@ -142,6 +215,43 @@ class GroupState:
         if self.watched is None or pg is None:
             return [self.ctl]
         return [b.ctl for b in watched_backends(pg)]
+
+    def history(self) -> list[dict[str, Any]]:
+        """The op history of every GroupCtl of the group, by op number (fastdist.history)."""
+        out: list[dict[str, Any]] = []
+        for ctl in self.ctls():
+            out.extend(ctl.history())
+        return sorted(out, key=lambda r: int(r["seq"]))
+
+    def mark_dead(
+        self, reason: str, abandoned: Any | None = None, level: int = logging.WARNING, replace: bool = False
+    ) -> None:
+        """Records that the group is aborted. ``abandoned``: the token of its op still in flight,
+        whose end releases the group (see :func:`release_finished`). ``replace``: a better reason
+        than the first one recorded (logged only if it is the first)."""
+        first = False
+        for ctl in self.ctls():
+            first = ctl.settle_dead(reason, replace) or first
+        pg = self.ref()
+        if abandoned is not None and pg is not None:
+            with _lock:
+                _held.setdefault(id(pg), (pg, []))[1].append(abandoned)
+        if first:
+            logger.log(level, "rank %d: group %r is aborted: %s", self.my_global_rank, self.name, reason)
+
+    def presume_gone(self, ranks: list[int]) -> None:
+        """``ranks`` (global) closed their connections mid-op and did not answer the report."""
+        with _lock:
+            gone = self.lineage.gone.setdefault(self.generation, set())
+            gone.update(r for r in ranks if r != self.my_global_rank)
+
+    def gone(self) -> set[int]:
+        """The ranks of the current generation presumed gone (see presume_gone)."""
+        with _lock:
+            kept = self.lineage.gone
+            for gen in [g for g in kept if g < self.generation]:
+                del kept[gen]
+            return set(kept.get(self.generation, ()))
 
     def global_rank(self, group_rank: int) -> int:
         return self.global_ranks[group_rank] if self.global_ranks is not None else group_rank
@@ -248,10 +358,10 @@ def _generation_began(st: GroupState) -> None:
 
 _lock = threading.Lock()
 _states: dict[int, GroupState] = {}
+# Each group name's lineage (see Lineage).
+_lineages: dict[str, Lineage] = {}
 # Dead groups held until their in-flight op ends: id -> (group, tokens of abandoned work).
 _held: dict[int, tuple[Any, list[Any]]] = {}
-# How many times each group name has been recovered in this process.
-_generations: dict[str, int] = {}
 
 
 def resolve(group: Any) -> Any | None:
@@ -293,6 +403,12 @@ def state_of(pg: Any) -> GroupState:
         key = id(pg)
         weakref.finalize(pg, _forget, key, weakref.ref(st))
     return st
+
+
+def peek(pg: Any) -> GroupState | None:
+    """The state of ``pg`` if it has one already (none is made)."""
+    st = _states.get(id(pg))
+    return st if st is not None and st.ref() is pg else None
 
 
 def _forget(key: int, st_ref: Any) -> None:
@@ -347,24 +463,6 @@ def check_alive(st: GroupState, op: str) -> None:
         raise GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=st.dead_reason)
 
 
-def mark_dead(
-    pg: Any, reason: str, abandoned: Any | None = None, level: int = logging.WARNING, replace: bool = False
-) -> None:
-    """Records that ``pg`` is aborted. ``abandoned``: the token of its op still in flight, whose
-    end releases the group (see :func:`release_finished`). ``replace``: a better reason than
-    the first one recorded (logged only if it is the first)."""
-    st = state_of(pg)
-    first = False
-    for ctl in st.ctls():
-        first = ctl.settle_dead(reason, replace) or first
-    with _lock:
-        if abandoned is not None:
-            entry = _held.setdefault(id(pg), (pg, []))
-            entry[1].append(abandoned)
-    if first:
-        logger.log(level, "rank %d: group %r is aborted: %s", st.my_global_rank, st.name, reason)
-
-
 def hold(pg: Any) -> None:
     """Keeps ``pg`` alive until its abandoned ops (if any) have ended; see release_finished."""
     with _lock:
@@ -397,32 +495,15 @@ def revive(st: GroupState) -> None:
         st.ctl.revive()
 
 
-# Global ranks of a group (by name and generation) that closed their connections mid-op and did
-# not answer the report: a recovery allowed to shrink does not wait for them.
-_gone: dict[tuple[str, int], set[int]] = {}
-
-
-def presume_gone(st: GroupState, ranks: list[int]) -> None:
-    with _lock:
-        _gone.setdefault((st.name, st.generation), set()).update(r for r in ranks if r != st.my_global_rank)
-
-
-def gone(st: GroupState) -> set[int]:
-    """The ranks of ``st``'s current generation presumed gone (see presume_gone)."""
-    with _lock:
-        for key in [k for k in _gone if k[0] == st.name and k[1] < st.generation]:
-            del _gone[key]
-        return set(_gone.get((st.name, st.generation), ()))
-
-
 def set_generation(name: str, generation: int) -> None:
     """The generation the next state of group ``name`` starts at (a process that joined by a
     growth takes the live ranks')."""
     with _lock:
-        _generations[name] = generation
+        _lineages.setdefault(name, Lineage()).generation = generation
 
 
 def next_generation(name: str) -> int:
     with _lock:
-        _generations[name] = _generations.get(name, 0) + 1
-        return _generations[name]
+        lineage = _lineages.setdefault(name, Lineage())
+        lineage.generation += 1
+        return lineage.generation

@@ -19,7 +19,7 @@ _lock = threading.Lock()
 _registry: dict[int, tuple[Any, torch.device]] = {}
 
 
-def add(ctl_id: int, pg: Any, device: Any) -> None:
+def enroll(ctl_id: int, pg: Any, device: Any) -> None:
     """Records the watched backend ``ctl_id`` of ``pg`` on ``device``."""
     with _lock:
         # Insertion order is creation order (watched_groups relies on it): a ctl id that is a
@@ -54,28 +54,19 @@ def history(group: Any = None) -> list[dict[str, Any]]:
     (``"pending"``, ``"ok"``, ``"timed_out"``, ``"failed"``). Kept in a fixed ring by the watched
     backend at a cost of about 100 ns per op; on a group torch made, fastdist's own ops only."""
     pg = pgstate.resolve(group)
-    if pg is None:
-        return []
-    out: list[dict[str, Any]] = []
-    for ctl in pgstate.state_of(pg).ctls():  # (a group torch made: the one its own backends share)
-        out.extend(ctl.history())
-    return sorted(out, key=lambda r: int(r["seq"]))
+    return [] if pg is None else pgstate.state_of(pg).history()
 
 
 def is_watched(pg: Any) -> bool:
     return backend_of(pg) is not None
 
 
-# Groups a shrinking recover() replaced with new ones: kept alive while their abandoned work is
-# in flight (for its late errors), but never rebuilt again.
-_retired: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
 def retire(pgs: list[Any]) -> None:
-    """``pgs`` were replaced by new groups: later in-place recoveries leave them out."""
-    with _lock:
-        for pg in pgs:
-            _retired.add(pg)
+    """``pgs`` were replaced by new groups in a shrinking recover(): kept alive while their
+    abandoned work is in flight (for its late errors), but left out of later in-place
+    recoveries."""
+    for pg in pgs:
+        pgstate.state_of(pg).retired = True
 
 
 def watched_groups() -> list[Any]:
@@ -90,7 +81,8 @@ def watched_groups() -> list[Any]:
     seen: set[int] = set()
     for _ctl, (ref, _device) in entries:
         pg = ref()
-        if pg is not None and id(pg) not in seen and pg not in _retired:
+        st = pgstate.peek(pg) if pg is not None else None
+        if pg is not None and id(pg) not in seen and not (st is not None and st.retired):
             seen.add(id(pg))
             out.append(pg)
     return out

@@ -92,7 +92,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         global _interrupted
         _interrupted = True
         reason = f"an op was interrupted (Ctrl-C) on rank {st.my_global_rank}"
-        pgstate.mark_dead(pg, reason)
+        st.mark_dead(reason)
         # The peers in the op would otherwise wait for it until their deadline, and then blame a
         # timeout: ring them (bounded, so that the KeyboardInterrupt is not held up).
         board.announce(st, op, seq, "interrupted")
@@ -117,7 +117,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
             _run_handler(err, info["waiter"])
         return err
     reason = f"{op} #{seq} failed on rank {st.my_global_rank}: {text or 'backend error'}"
-    pgstate.mark_dead(pg, reason)
+    st.mark_dead(reason)
     return _group_aborted(st, op, reason)
 
 
@@ -206,7 +206,7 @@ def _aborted(pg: Any, st: GroupState, op: str, reason: str) -> GroupAbortedError
 def _die(pg: Any, st: GroupState, reason: str, if_abort_hangs: BaseException) -> None:
     """Marks the group dead and, on NCCL, starts aborting its communicators (in the background,
     bounded: ``if_abort_hangs`` goes to the timeout handler when the abort does not return)."""
-    pgstate.mark_dead(pg, reason)
+    st.mark_dead(reason)
     if st.polled:
         polled.abort_group(pg, st.is_default, if_abort_hangs)
 
@@ -234,12 +234,12 @@ def timed_out(
     """The error for ``call``, whose deadline passed (``call.last_seen`` filled in). ``cause``:
     what the backend or the caller said; a store that stopped answering this rank's report
     replaces it. ``abandoned``: the token of the op still in flight (see
-    :func:`pgstate.mark_dead`). ``late``: why the error comes after the deadline (Python could
+    :meth:`GroupState.mark_dead`). ``late``: why the error comes after the deadline (Python could
     not run then), put first. ``rung_by``: the peer (``"rank N"``) whose timeout of the same op
     rang this rank first: its report is read, not gathered again."""
     st = call.st
     who = rung_by or f"rank {st.my_global_rank}"
-    pgstate.mark_dead(call.pg, f"{call.name} timed out on {who}", abandoned=abandoned)
+    st.mark_dead(f"{call.name} timed out on {who}", abandoned=abandoned)
     if st.polled:
         hung = verdict.timeout_error(call, None, "aborting the communicators hung")
         polled.abort_group(call.pg, st.is_default, hung)

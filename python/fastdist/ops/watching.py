@@ -89,7 +89,7 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
     is_polled = backend_type != ProcessGroup.BackendType.GLOO or os.environ.get("FASTDIST_TEST_POLLED") == "1"
     wrapper = WatchedBackend(backend, "", float(timeout), is_polled)
     per_pg[id(backend)] = wrapper
-    registry.add(wrapper.ctl_id, pg, device)
+    registry.enroll(wrapper.ctl_id, pg, device)
     _arm_later(pg)
     return wrapper
 

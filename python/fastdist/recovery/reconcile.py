@@ -18,9 +18,10 @@ same updates. The live rank with the lowest count (ties: the lowest rank) is the
 joiner, and every live rank whose count differs from the source's, loads the source's state, and
 the failed step is redone once, everywhere.
 
-The count is kept per group as an offset (``_base``: the count the state held when the group's
-numbering last started at op 1) plus the leading completed ops in the group's history since. The
-count taken when a recovery began is kept until that recovery completes (``_pending``): a
+The count is kept per group as an offset (``GroupState.op_base``: the count the state held when
+the group's numbering last started at op 1) plus the leading completed ops in the group's history
+since. The count taken when a recovery began is kept until that recovery completes
+(``Lineage.pending``, by the group's name: a shrink makes a new group object): a
 recovery that failed midway (a joiner that died in the hand-over) is retried with the counts of
 the training, not those of the hand-over's own ops.
 
@@ -35,7 +36,6 @@ ranks are a split of their states (:attr:`Reconciliation.split`).
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,13 +50,6 @@ from . import state_sync
 
 logger = logging.getLogger(__name__)
 
-# Group -> the op count its members' state was at when the group's numbering last started afresh.
-_base: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-# Group name -> (op count, updates) of this rank when a recovery of the group began (kept until
-# one completes).
-_pending: dict[str, tuple[int, int]] = {}
-# Group -> what its last recovery found (see last()).
-_last: weakref.WeakKeyDictionary[Any, Reconciliation] = weakref.WeakKeyDictionary()
 # Optimizer updates applied in this process: all of them, and when the numbering last restarted.
 _updates = [0, 0]
 
@@ -118,13 +111,13 @@ def ops_done(st: pgstate.GroupState) -> int:
     return total
 
 
-def begin(pg: Any, st: pgstate.GroupState) -> tuple[int, int]:
-    """This rank's op count and optimizer updates, taken when a recovery of ``pg`` begins, before
+def begin(st: pgstate.GroupState) -> tuple[int, int]:
+    """This rank's op count and optimizer updates, taken when a recovery of the group begins, before
     anything renumbers its ops; a recovery that failed midway keeps what was taken before it."""
-    got = _pending.get(st.name)
+    got = st.lineage.pending
     if got is None:
-        got = (_base.get(pg, 0) + ops_done(st), _updates[0] - _updates[1])
-        _pending[st.name] = got
+        got = (st.op_base + ops_done(st), _updates[0] - _updates[1])
+        st.lineage.pending = got
     return got
 
 
@@ -182,21 +175,18 @@ def warn_diverged(me: int, done: Reconciliation) -> None:
     )
 
 
-def finish(pg: Any, st: pgstate.GroupState, name: str, held: int, done: Reconciliation | None) -> None:
-    """The recovery of group ``name`` (now ``pg``) completed on this rank, whose state is at count
+def finish(st: pgstate.GroupState, held: int, done: Reconciliation | None) -> None:
+    """The recovery of the group of ``st`` (the group it made) completed on this rank, whose state is at count
     ``held``: every member numbers its ops from 1 again, in step."""
     renumber(st)
-    _base[pg] = held - ops_done(st)  # (0 ops done after the renumbering, unless it was skipped)
-    _pending.pop(name, None)
-    if done is not None:
-        _last[pg] = done
-    else:
-        _last.pop(pg, None)
+    st.op_base = held - ops_done(st)  # (0 ops done after the renumbering, unless it was skipped)
+    st.lineage.pending = None
+    st.reconciled = done
 
 
-def forget(name: str) -> None:
-    """A recovery of group ``name`` completed without comparing the members' counts."""
-    _pending.pop(name, None)
+def forget(st: pgstate.GroupState) -> None:
+    """A recovery of the group of ``st`` completed without comparing the members' counts."""
+    st.lineage.pending = None
     _updates[1] = _updates[0]
 
 
@@ -214,4 +204,5 @@ def renumber(st: pgstate.GroupState) -> None:
 def last(group: Any) -> Reconciliation | None:
     """What the last recovery of ``group`` (the group recover() returned) found, if it compared
     the members' counts."""
-    return _last.get(group)
+    st = pgstate.peek(group)
+    return None if st is None else st.reconciled

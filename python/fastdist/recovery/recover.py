@@ -157,27 +157,10 @@ def recover(
     return _one_at_a_time(pg, deadline, lambda: _recover(pg, start, deadline, allow_shrink, state, snapshot))
 
 
-class _Turns:
-    """Recoveries of one group in one process, one at a time: a thread that calls recover() while
-    another thread's recovery of the group runs waits for it and shares its outcome (its group,
-    or its error), rather than join the agreement a second time as the same rank."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.running = False
-        self.finished = 0
-        self.waiting = 0
-        # Kept only while a thread waits for it: an error holds its frames, and they the groups.
-        self.outcome: tuple[Any, BaseException | None] = (None, None)
-
-
-_turns: dict[int, _Turns] = {}
-_turns_lock = threading.Lock()
-
-
 def _one_at_a_time(pg: Any, deadline: float, attempt: Any) -> Any:
-    with _turns_lock:
-        turns = _turns.setdefault(id(pg), _Turns())
+    """Runs ``attempt``, the recovery of ``pg``, unless another thread's runs: then waits for it
+    and shares its outcome (see pgstate.Turns)."""
+    turns = pgstate.state_of(pg).turns
     with turns.cond:
         if turns.running:
             seen = turns.finished
@@ -231,7 +214,7 @@ def _recover(
     is_default = dist.is_initialized() and pg is dist.distributed_c10d._get_default_group()
     joiner = joining.is_pending() and is_default
     # How far this rank's state got, before anything renumbers the group's ops (-1: a joiner).
-    held = (-1, -1) if joiner else reconcile.begin(pg, st)
+    held = (-1, -1) if joiner else reconcile.begin(st)
     name = st.name
     if is_default:
         halt_all()  # a snapshot exchange in flight issues nothing on the groups rebuilt below
@@ -315,7 +298,7 @@ def _recover(
         )
         return pg
     if st.dead_reason is None:
-        pgstate.mark_dead(pg, "replaced by fastdist.recover()", level=logging.INFO)
+        st.mark_dead("replaced by fastdist.recover()", level=logging.INFO)
     if not polled.wait_aborts():
         logger.warning(
             "rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me
@@ -342,7 +325,7 @@ def _recover(
     if registry.is_watched(new):  # (an op on a group fastdist does not watch is not bounded)
         _reconcile(new, pgstate.state_of(new), name, gen, state, snapshot, [], held, deadline)
     else:
-        reconcile.forget(name)
+        reconcile.forget(st)
     events.emit(
         "recovery", me, st.name, gen, world_size=new_size, in_place=False, recovery=current_time() - start
     )
@@ -462,7 +445,7 @@ def _reconcile(
         )
     same = me in joiners or me in ahead or me in alike
     count = counts[done.source] if done is not None and same else held[0]
-    reconcile.finish(pg, st, name, count, done)
+    reconcile.finish(st, count, done)
 
 
 # How long the members of a rebuilt group have at least to compare how far each got and hand
@@ -770,7 +753,7 @@ def _agree(
         if not decision.startswith(b"missing:") or n <= count:
             break
         turn += 1  # this round had failed before this rank came: the next one is open
-    _rounds[(st.name, gen)] = turn
+    st.lineage.rounds[gen] = turn
     if decision == b"all" and n > st.size and joiner and not _went_past(store, base, me):
         # Every place was taken before this rank counted in, its own by the process it replaces
         # (killed inside recover() after it counted in), which died before it left the agreement:
@@ -862,11 +845,6 @@ class GenerationTaken(RecoveryError):
     died since: the generation is used up here too, and recover() called again joins the next."""
 
 
-# The round in which each generation of a group was agreed (0: the first), as this process saw
-# it: the keys of its failed rounds are deleted with the generation's.
-_rounds: dict[tuple[str, int], int] = {}
-
-
 def _round(key: str, gen: int, turn: int) -> str:
     """The store prefix of round ``turn`` of generation ``gen``'s agreement."""
     return f"{key}/{gen}" if turn == 0 else f"{key}/{gen}/round{turn}"
@@ -887,7 +865,7 @@ def _one_round(
     store.append(f"{base}/members", f"{n}:{st.my_global_rank}\n")
     if n >= st.size:
         return n, bytes(store.compare_set(f"{base}/closed", "", "all"))
-    gone = pgstate.gone(st) if allow_shrink else set()
+    gone = st.gone() if allow_shrink else set()
     seen: list[bytes] = []  # the decision, as this rank's closer found it (set or read)
     # The closer and the wait's end can cross: a closer already running when the key came is
     # waited for (its answer is the decision), one that had not started is skipped. Either
@@ -1005,7 +983,7 @@ def _keys_of_generation(st: pgstate.GroupState, gen: int) -> list[str]:
     key = keys.key("recover", st.name)
     diag = keys.key("diag", st.name, gen)
     # Every round this process saw (a process that joined later knows only of the first).
-    rounds = [_round(key, gen, turn) for turn in range(_rounds.pop((st.name, gen), 0) + 1)]
+    rounds = [_round(key, gen, turn) for turn in range(st.lineage.rounds.pop(gen, 0) + 1)]
     return [f"{base}/{k}" for base in rounds for k in ("count", "members", "closed", "past")] + [
         f"{diag}/{k}"
         for k in ("fault", "status", "count", "complete", "summary")
