@@ -10,7 +10,7 @@ import math
 import time
 
 from ..deadlines import current_time
-from ..errors import CollectiveTimeoutError, GroupAbortedError
+from ..errors import CollectiveTimeoutError
 from ..groups.opcall import OpCall
 from ..store import job
 from ..store.bounded import GRACE_SECONDS
@@ -87,7 +87,7 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
         JOB.note_store_failure(exc)
         reason = f"{JOB.store_gone_reason()}; {op} #{seq} failed: {text}"
         st.mark_dead(reason, replace=True)
-        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+        return st.aborted(op, reason)
     if dead:
         who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
         # The ranks not connected to the dead one would wait for their deadline: ring them.
@@ -95,7 +95,7 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
         reason = f"{who}; {op} #{seq} failed: {text}"
         st.mark_dead(reason, replace=True)
         st.presume_gone(list(dead))
-        return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+        return st.aborted(op, reason)
     # The report rings every live rank at once (they answer within its window), and a peer that
     # timed out posted before it closed the group: no need to wait for this op's deadline too
     # (a dead rank's peers did, 3.3 s for a 3 s step, before the ring existed).
@@ -113,4 +113,4 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
         # They closed their connections and did not answer the ring: gone. A recovery that may
         # shrink does not wait for them (see fastdist.recovery).
         st.presume_gone(rep.missing)
-    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
+    return st.aborted(op, reason)

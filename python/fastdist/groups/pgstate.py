@@ -28,7 +28,7 @@ from torch._C._distributed_c10d import Backend as _Backend
 _world = dist.distributed_c10d._world
 
 from .._native import _watched, hand_engine_over, watched_backends
-from ..errors import GroupAbortedError
+from ..errors import GroupAbortedError, RecoveryError
 from ..store import keys
 from . import native_report
 
@@ -253,6 +253,22 @@ class GroupState:
                 del kept[gen]
             return set(kept.get(self.generation, ()))
 
+    def aborted(self, op: str, reason: str | None = None) -> GroupAbortedError:
+        """The error of ``op`` on this group, on this rank, ended with the group dead for
+        ``reason`` (default: why the group is dead)."""
+        why = reason or self.dead_reason or "aborted"
+        return GroupAbortedError(op=op, group=self.name, rank=self.my_global_rank, reason=why)
+
+    def recovery_error(self, generation: int, reason: str, missing: list[int] | None = None) -> RecoveryError:
+        """The error of recovering this group as ``generation`` on this rank."""
+        return RecoveryError(
+            group=self.name,
+            rank=self.my_global_rank,
+            generation=generation,
+            reason=reason,
+            missing_ranks=missing,
+        )
+
     def global_rank(self, group_rank: int) -> int:
         return self.global_ranks[group_rank] if self.global_ranks is not None else group_rank
 
@@ -460,7 +476,7 @@ def _default_store() -> Any | None:
 def check_alive(st: GroupState, op: str) -> None:
     """Raises GroupAbortedError at once if the group died earlier."""
     if st.dead_reason is not None:
-        raise GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=st.dead_reason)
+        raise st.aborted(op)
 
 
 def hold(pg: Any) -> None:

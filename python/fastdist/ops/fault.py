@@ -60,11 +60,6 @@ def build(ctl_id: int, info: dict[str, Any]) -> BaseException:
     return err
 
 
-def _group_aborted(st: GroupState, op: str, reason: str) -> GroupAbortedError:
-    """``op`` on ``st``'s group, on this rank, ended with the group dead for ``reason``."""
-    return GroupAbortedError(op=op, group=st.name, rank=st.my_global_rank, reason=reason)
-
-
 def _count(ctl_id: int, kind: Any, err: BaseException) -> None:
     """The fault's event (fastdist.diagnostics.events): counted, and written when asked."""
     pg = registry.group_of(ctl_id)
@@ -84,7 +79,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         # The reason fastdist recorded (it names the peer whose fault rang this rank) before the
         # engine's own, which knows only that the op was ended by a peer's fault.
         reason = st.dead_reason or info["detail"] or "aborted"
-        return _group_aborted(st, op, reason)
+        return st.aborted(op, reason)
     start = float(info["start"])
     deadline = float(info["deadline"])
     call = OpCall(op, pg, st, seq, start, deadline, info["prev"] or None)
@@ -100,7 +95,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         # included), and the group is dead. The KeyboardInterrupt itself is Python's: its handler
         # runs as soon as the main thread is back in Python, a moment later (raising one here too
         # would give two).
-        return _group_aborted(st, op, reason)
+        return st.aborted(op, reason)
     if kind == Kind.REMOTE:
         return _remote(call, info)
     text = verdict.first_line(info["detail"] or "")
@@ -118,7 +113,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         return err
     reason = f"{op} #{seq} failed on rank {st.my_global_rank}: {text or 'backend error'}"
     st.mark_dead(reason)
-    return _group_aborted(st, op, reason)
+    return st.aborted(op, reason)
 
 
 def _remote(call: OpCall, info: dict[str, Any]) -> BaseException:
@@ -198,9 +193,9 @@ def _aborted(pg: Any, st: GroupState, op: str, reason: str) -> GroupAbortedError
         pg,
         st,
         reason,
-        _group_aborted(st, op, reason + "; aborting the communicators hung"),
+        st.aborted(op, reason + "; aborting the communicators hung"),
     )
-    return _group_aborted(st, op, reason)
+    return st.aborted(op, reason)
 
 
 def _die(pg: Any, st: GroupState, reason: str, if_abort_hangs: BaseException) -> None:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..deadlines import fail_at
-from ..errors import FastdistError, RecoveryError
+from ..errors import FastdistError
 from ..groups import pgstate
 from . import state_sync
 
@@ -132,13 +132,7 @@ def exchange(
         with fail_at(deadline):
             dist.all_gather(rows, t, group=pg)
     except FastdistError as exc:
-        raise RecoveryError(
-            group=st.name,
-            rank=st.my_global_rank,
-            generation=gen,
-            missing_ranks=None,
-            reason=f"exchanging how far each rank had got failed: {exc}",
-        ) from None
+        raise st.recovery_error(gen, f"exchanging how far each rank had got failed: {exc}") from None
     got = {st.global_rank(r): [int(v) for v in row.tolist()] for r, row in enumerate(rows)}
     return (
         {r: v[0] for r, v in got.items()},

@@ -176,8 +176,7 @@ def _one_at_a_time(pg: Any, deadline: float, attempt: Any) -> Any:
                     turns.outcome = (None, None)
             if not ok:
                 st = pgstate.state_of(pg)
-                raise _failed(
-                    st,
+                raise st.recovery_error(
                     st.generation + 1,
                     "another thread of this rank is recovering the group, and it did not finish "
                     "within this call's timeout",
@@ -227,7 +226,7 @@ def _recover(
     if not joiner:
         job.answering(me)  # fastdist run's agent must not kill a rank a peer named missing earlier
     if store is None:
-        raise _failed(st, gen, "the group has no store to agree through")
+        raise st.recovery_error(gen, "the group has no store to agree through")
 
     try:
         if stuck():
@@ -251,7 +250,7 @@ def _recover(
         raise
     except (RuntimeError, ConnectionError) as exc:  # dist.DistError and its kin: the store is gone
         JOB.note_store_failure(exc)
-        raise _failed(st, gen, JOB.store_gone_reason()) from None
+        raise st.recovery_error(gen, JOB.store_gone_reason()) from None
     new_rank, new_size = members.index(me), len(members)
     pgstate.next_generation(st.name)
     # The agreed generation is used up, whatever happens next: if a member vanishes while the
@@ -375,8 +374,8 @@ def _ddp_layouts(
         gst = pgstate.state_of(g)
 
         def fail(why: str, gst: pgstate.GroupState = gst) -> RecoveryError:
-            return _failed(
-                st, gen, f"handing over the buckets of the DDP modules on group {gst.name!r} failed: {why}"
+            return st.recovery_error(
+                gen, f"handing over the buckets of the DDP modules on group {gst.name!r} failed: {why}"
             )
 
         live = [r for r in (gst.global_rank(i) for i in range(gst.size)) if r not in joiners]
@@ -478,7 +477,7 @@ def hand_over(
     names = ", ".join(f"rank {r}" for r in receivers)
 
     def fail(reason: str) -> RecoveryError:
-        return _failed(st, gen, reason)
+        return st.recovery_error(gen, reason)
 
     sharded = state_sync.sharded_entries(state) if state is not None else []
     held_twice = replicas(state) if sharded and state is not None else None
@@ -738,8 +737,8 @@ def _agree(
     # 0 before the first recovery.
     latest = store.add(latest_key(st.name), 0)
     if latest > gen or (latest == gen and not joiner):  # (a joiner may take a dead rank's place)
-        raise _failed(
-            st, gen, f"the other ranks already rebuilt the group as generation {latest} without this rank"
+        raise st.recovery_error(
+            gen, f"the other ranks already rebuilt the group as generation {latest} without this rank"
         )
     if joiner:  # before counting in: whoever sees a round complete sees this too
         store.append(_joiners_key(st, gen), f"{me}\n")
@@ -779,11 +778,11 @@ def _agree(
     if count < st.size and (not allow_shrink or decision.startswith(b"missing:")):
         arrived = _arrivals(store.get(f"{base}/members"), count)
         missing = [st.global_rank(r) for r in range(st.size) if st.global_rank(r) not in arrived]
-        raise _failed(st, gen, "not every rank turned up before the deadline", missing)
+        raise st.recovery_error(gen, "not every rank turned up before the deadline", missing)
     final = min(count, st.size)
     if n > final:
-        raise _failed(
-            st, gen, "this rank turned up after the others had closed the new generation without it"
+        raise st.recovery_error(
+            gen, "this rank turned up after the others had closed the new generation without it"
         )
     if final >= st.size:
         members = [st.global_rank(r) for r in range(st.size)]
@@ -831,13 +830,6 @@ def _went_past(store: Any, base: str, rank: int) -> bool:
     if not store.check([f"{base}/past"]):
         return False
     return str(rank) in bytes(store.get(f"{base}/past")).decode().split()
-
-
-def _failed(st: pgstate.GroupState, gen: int, reason: str, missing: list[int] | None = None) -> RecoveryError:
-    """The RecoveryError of recovering ``st``'s group as generation ``gen`` on this rank."""
-    return RecoveryError(
-        group=st.name, rank=st.my_global_rank, generation=gen, reason=reason, missing_ranks=missing
-    )
 
 
 class GenerationTaken(RecoveryError):
@@ -1005,7 +997,7 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
         for backend in registry.backends_of(g):
             left = deadline - current_time()
             if left <= 0:
-                raise _failed(gst, gen, "the deadline passed while the groups were rebuilt")
+                raise gst.recovery_error(gen, "the deadline passed while the groups were rebuilt")
             prefix = dist.PrefixStore(keys.key(f"gen{gen}", gst.name, backend.name()) + "/", root)
             fresh = _fresh_backend(backend, prefix, min(left, 1e6), gst)
             backend.swap_inner(fresh)
@@ -1047,10 +1039,9 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: pgstate.GroupState)
         elif name == _watched.NcclDouble.NAME:  # the CPU double of NCCL (tests), over gloo
             fresh = _watched.NcclDouble(dist.ProcessGroupGloo(store, old.rank(), old.size(), td))
         else:
-            raise _failed(st, st.generation + 1, f"cannot rebuild a {name} backend in place")
+            raise st.recovery_error(st.generation + 1, f"cannot rebuild a {name} backend in place")
     except RuntimeError as exc:  # a member vanished while the connections were made
-        raise _failed(
-            st,
+        raise st.recovery_error(
             st.generation + 1,
             f"rebuilding the connections failed: {str(exc).strip().splitlines()[0]}",
         ) from None
