@@ -281,7 +281,7 @@ def _record_job(job_store: Any, td: datetime.timedelta | None, place: _Place) ->
     """What recovery and growing need of the job, once torch made the default group."""
     JOB.store = job_store
     epoch = place.world[0] if place.world is not None else 0
-    prepare_growth(job_store, epoch, place.launched or 0, place.grower)
+    prepare_growth(epoch, place.launched or 0, place.grower)
     JOB.started, JOB.backend, JOB.timeout = True, dist.get_backend(), td
     JOB.root = dist.distributed_c10d._get_default_store()
     if JOB.reconnect is not None:

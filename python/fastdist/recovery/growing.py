@@ -41,7 +41,7 @@ from ..errors import RecoveryError
 from ..groups import pgstate, registry
 from ..store import keywait
 from ..store.job import JOB
-from . import joining, reconcile, state_sync, world, wrappers
+from . import joining, reconcile, state_sync, wrappers
 from .recover import hand_over, latest_key, rebuild_default, recover_joining
 from .world import arm, grow_key, world_key
 
@@ -65,14 +65,14 @@ def grow(state: Any, *, timeout: TimeoutLike = None) -> bool:
     state = state_sync.check_state(state)
     if timeout is not None:
         validate_seconds(timeout, "timeout")
-    g = world.growth
+    g = JOB.world
     if not g.armed:
         return False
     g.calls += 1
     if g.target is None:
         if g.requested:  # rank 0: tell every rank when
             g.requested = False
-            g.store.set(grow_key(g.epoch, "target"), str(g.calls + MARGIN))
+            JOB.store.set(grow_key(g.epoch, "target"), str(g.calls + MARGIN))
         return False
     if g.calls < g.target:
         return False
@@ -110,7 +110,7 @@ def sync_state(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None)
     """
     # Checked here, on a first start too: recover_joining returns False before it needs one.
     check_timeout(timeout)
-    if not world.growth.grower:
+    if not JOB.world.grower:
         return recover_joining(state, timeout=timeout, snapshot=snapshot)
     _join(state_sync.check_state(state), _deadline(timeout))
     return True
@@ -118,11 +118,11 @@ def sync_state(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None)
 
 def _join(state: dict[str, Any], deadline: float) -> None:
     """On a grower: asks the live ranks to admit it and takes part in the growth."""
-    g = world.growth
+    g = JOB.world
     mine = str(dist.get_rank())
-    if bytes(g.store.compare_set(grow_key(g.epoch, "request"), "", mine)) != mine.encode():
+    if bytes(JOB.store.compare_set(grow_key(g.epoch, "request"), "", mine)) != mine.encode():
         raise _failed("another process is joining the shrunk job: start this one after it has joined")
-    if not keywait.wait_key(g.store, grow_key(g.epoch, "admit"), deadline):
+    if not keywait.wait_key(JOB.store, grow_key(g.epoch, "admit"), deadline):
         raise _failed(
             "the live ranks did not admit this process before the timeout: do they call "
             "fastdist.grow(state) at each step?"
@@ -139,8 +139,8 @@ def _failed(reason: str) -> RecoveryError:
 
 
 def _grow(state: dict[str, Any] | None, deadline: float, *, newcomer: bool) -> bool:
-    g = world.growth
-    store, epoch, start = g.store, g.epoch, current_time()
+    g = JOB.world
+    store, epoch, start = JOB.store, g.epoch, current_time()
     old = dist.distributed_c10d._get_default_group()
     st = pgstate.state_of(old)
     admit = grow_key(epoch, "admit")

@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from ..store import keys
+from ..store.job import JOB
 
 logger = logging.getLogger(__name__)
 
@@ -39,61 +40,43 @@ def read_world(store: Any) -> tuple[int, int] | None:
     return int(epoch), int(size)
 
 
-class _Growth:
-    """This process's view of growing: the world's epoch, how many grow() calls since the world
-    changed, and what the watcher threads learnt (set from those threads, read by grow())."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.store: Any = None  # the job's store (None: no growing)
-        self.epoch = 0
-        self.launched = 0  # the world size the job was launched with
-        self.armed = False  # the world is smaller than launched: grow() looks
-        self.grower = False  # this process joins by growing the world (until it has)
-        self.calls = 0
-        self.requested = False  # rank 0: a grower asked to join
-        self.target: int | None = None  # the call number at which every rank grows
-
-
-growth = _Growth()
-
-
-def prepare_growth(store: Any, epoch: int, launched: int, grower: bool) -> None:
-    """At init: the job's store, the world's epoch, and whether this process is a grower."""
-    g = growth
+def prepare_growth(epoch: int, launched: int, grower: bool) -> None:
+    """At init (after the job's store is recorded): the world's epoch, and whether this process
+    is a grower."""
+    g = JOB.world
     with g.lock:
-        g.store, g.epoch, g.launched, g.grower = store, epoch, launched, grower
+        g.epoch, g.launched, g.grower = epoch, launched, grower
 
 
 def arm(epoch: int, rank: int, size: int) -> None:
     """Once the world changed (a shrink, a growth): watches for a grower in the new epoch while
     the world is smaller than launched. Each watcher is a thread blocked in a store wait on a
     connection of its own."""
-    g = growth
+    g, store = JOB.world, JOB.store
     with g.lock:
         old, was_armed = g.epoch, g.armed
         g.epoch, g.calls, g.requested, g.target = epoch, 0, False, None
-        g.armed = g.store is not None and size < g.launched
+        g.armed = store is not None and size < g.launched
     if was_armed and rank == 0 and old != epoch:
         # The last epoch's watchers (on every rank) still wait: their keys end them (one
         # thread and one connection each would be left behind per shrink).
         for what in ("target", "request"):
-            g.store.compare_set(grow_key(old, what), "", _STALE)
+            store.compare_set(grow_key(old, what), "", _STALE)
     if not g.armed:
         return
-    _watch(g.store, grow_key(epoch, "target"), epoch, _on_target)
+    _watch(store, grow_key(epoch, "target"), epoch, _on_target)
     if rank == 0:
-        _watch(g.store, grow_key(epoch, "request"), epoch, _on_request)
+        _watch(store, grow_key(epoch, "request"), epoch, _on_request)
 
 
 def shrunk(rank: int, size: int) -> None:
     """recover() left ranks out: a new world epoch, recorded by its rank 0 (``rank``, ``size``:
     this rank's place in the new world and its size)."""
-    g = growth
-    if g.store is None:
+    g, store = JOB.world, JOB.store
+    if store is None:
         return
     if rank == 0:
-        g.store.set(world_key(), f"{g.epoch + 1}:{size}")
+        store.set(world_key(), f"{g.epoch + 1}:{size}")
     arm(g.epoch + 1, rank, size)
 
 
@@ -107,16 +90,16 @@ def _watch(store: Any, name: str, epoch: int, then: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - the store went away (job end): nobody grows
             logger.debug("fastdist: the grow watcher on %s stops: %r", name, exc)
             return
-        with growth.lock:
-            if growth.epoch == epoch and value != _STALE:
+        with JOB.world.lock:
+            if JOB.world.epoch == epoch and value != _STALE:
                 then(value)
 
     threading.Thread(target=run, name="fastdist-grow", daemon=True).start()
 
 
 def _on_request(_value: str) -> None:
-    growth.requested = True
+    JOB.world.requested = True
 
 
 def _on_target(value: str) -> None:
-    growth.target = int(value)
+    JOB.world.target = int(value)

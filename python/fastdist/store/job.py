@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import keys
@@ -25,11 +25,27 @@ END = "end"
 
 
 @dataclass
+class World:
+    """The world as this process sees it after shrinks and growths (fastdist.recovery.world and
+    growing): its epoch, how many grow() calls since it changed, and what the watcher threads
+    learnt (set from those threads, read by grow())."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    epoch: int = 0  # one more at each shrink or growth
+    launched: int = 0  # the world size the job was launched with
+    armed: bool = False  # the world is smaller than launched: grow() looks
+    grower: bool = False  # this process joins by growing the world (until it has)
+    calls: int = 0  # grow() calls since the world changed
+    requested: bool = False  # rank 0: a grower asked to join
+    target: int | None = None  # the call number at which every rank grows
+
+
+@dataclass
 class Job:
     """What this process knows of its job, written by fastdist.init_process_group and recovery
     and read by everything that needs the job rather than one group: its stores, what the default
-    group was built with (to rebuild it), and where the store is (for messages when it is gone).
-    (The world's size and epoch after shrinks and growths: fastdist.recovery.world.)"""
+    group was built with (to rebuild it), where the store is (for messages when it is gone), and
+    the world after shrinks and growths."""
 
     store: Any = None  # the job's store (job-wide keys: deaths, spares, suspects); None without one
     root: Any = None  # the default group's store, through which recovery agrees
@@ -40,6 +56,7 @@ class Job:
     reconnect: Callable[[], Any] | None = None  # a new connection to ``root`` (after a partition)
     location: str | None = None  # where the store lives: "HOST:PORT (in rank 0)"
     failure: str | None = None  # what the last failed store operation said
+    world: World = field(default_factory=World)
 
     def store_gone_reason(self) -> str:
         """Says that the job's store is unreachable, and where it was."""
