@@ -206,20 +206,31 @@ def bench_detection(ctx) -> None:
 def bench_propagation(ctx) -> None:
     """For bench/test_propagation.py: cycles in which rank 0's barrier times out at 0.5 s while the
     middle ranks wait in the same barrier with a 60 s deadline and the last rank computes
-    elsewhere; records when rank 0's deadline passed and when each middle rank raised."""
+    elsewhere; records when rank 0's deadline passed, when each middle rank raised, and the CPU
+    time each spent in the call (``cpu``), and in a barrier that the last rank joins 0.5 s late
+    (``idle_cpu``: what waiting costs without a fault)."""
 
     ctx.init()
     fastdist.barrier(timeout=30)
     for i in range(int(os.environ.get("FASTDIST_BENCH_CYCLES", "5"))):
+        cpu = time.process_time()
+        if ctx.rank == ctx.world_size - 1:
+            time.sleep(0.5)
+        fastdist.barrier(timeout=30)
+        idle_cpu = time.process_time() - cpu
         if ctx.rank == ctx.world_size - 1:
             load_batch(ctx, f"go_{i}")
         else:
             timeout = 0.5 if ctx.rank == 0 else 60.0
-            start = time.time()
+            start, cpu = time.time(), time.process_time()
             try:
                 fastdist.barrier(timeout=timeout)
             except fastdist.FastdistError:
-                ctx.record("raised", cycle=i, deadline=start + timeout, at=time.time())
+                # CPU time: this process's (every thread's) over the whole call
+                spent = time.process_time() - cpu
+                ctx.record(
+                    "raised", cycle=i, deadline=start + timeout, at=time.time(), cpu=spent, idle_cpu=idle_cpu
+                )
             if ctx.rank == 0:
                 ctx.store.set(f"go_{i}", "1")
         fastdist.recover(timeout=30)
