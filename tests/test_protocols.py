@@ -330,3 +330,40 @@ def test_the_ringer_rings_again_the_ranks_under_a_silent_parent() -> None:
     dead = {**status, "dead": "rank 6 is dead", "dead_ranks": [6]}
     assert ring.ring_missed(_rank(fresh, 2, 7), dead, posted={2, 4}) == 1
     assert [fresh.queue_len(keys.inbox(r)) for r in range(7)] == [0, 0, 0, 0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("claimed_by", ["cpp", "python", "peer"])
+def test_a_fault_claimed_and_rung_from_cpp_is_the_reports_own(claimed_by: str) -> None:
+    """At a timeout the rank's watched backend claims the group's fault and rings, in C++, as soon
+    as the error's builder has the GIL (csrc/watched/native_report.cpp: before the report's
+    hand-over to its store thread). The report takes that claim for its own: it does not ring a
+    second time, and halfway through its window it rings the ranks the ring missed, as after a
+    claim of its own. A peer's claim is not its own: it rings nobody."""
+    store = dist.HashStore()
+    # 7 ranks, the tree rooted at rank 0: 1 and 2 under it, 3-6 under them; nobody else posts.
+    st = _rank(store, 0, 7)
+    claim = {"rank": 0, "op": "barrier", "seq": 4, "state": "timed_out", "t": 1.0, "waits": []}
+    if claimed_by == "cpp":
+        store.set(f"{keys.board('g', 0)}/fault", json.dumps(claim))
+    elif claimed_by == "peer":
+        store.set(f"{keys.board('g', 0)}/fault", json.dumps({**claim, "rank": 1}))
+    rep = board.report(st, "barrier", 4, "timed_out", 1.0)
+    assert rep is not None and rep.missing == [1, 2, 3, 4, 5, 6], rep
+    rung = [store.queue_len(keys.inbox(r)) for r in range(7)]
+    # The root's children (1, 2): rung by whoever claimed (here, C++ only in a real job); their
+    # own children (3-6), whose parents stayed silent: rung again halfway through the window.
+    expected = {"cpp": [0, 0, 0, 1, 1, 1, 1], "python": [0, 1, 1, 1, 1, 1, 1], "peer": [0] * 7}[claimed_by]
+    assert rung == expected, rung
+
+
+def test_a_rank_rung_twice_for_one_fault_acts_once() -> None:
+    """A fault rung from C++ and rung again by the ringer's report (its records differ in their
+    bytes: another writer, another time) is handled once."""
+    from fastdist.diagnostics import listener
+
+    fault = {"kind": "fault", "group": "g-once", "gen": 3, "root": 0, "rank": 0, "op": "barrier", "seq": 4}
+    before = len(listener._handled)
+    for t in (1.0, 1.5):
+        raw = json.dumps({**fault, "state": "timed_out", "t": t}).encode()
+        listener._handle(dist.HashStore(), json.loads(raw), raw)
+    assert len(listener._handled) == before + 1

@@ -89,8 +89,10 @@ struct FaultInfo {
 // report, the same records in the same keys. It claims the group's fault, rings its children in
 // the ring tree (their inboxes) and posts its status ("timed_out", with "gil": true), so the other
 // ranks raise at once, naming this rank as the one that timed out, instead of waiting for it and
-// then calling it dead. Set by Python for each generation of the group, only on a store that runs
-// no Python (TCPStore, FileStore, HashStore, a PrefixStore over one of those).
+// then calling it dead. When Python does run, C++ still claims the fault and rings, as soon as
+// the builder has the GIL, while Python goes on with the rest of the report. Set by Python for
+// each generation of the group, only on a store that runs no Python (TCPStore, FileStore,
+// HashStore, a PrefixStore over one of those).
 struct NativeReport {
   c10::intrusive_ptr<c10d::Store> store;
   std::string group;

@@ -141,6 +141,19 @@ def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bo
     return _close(store, prefix, st.rank, "all")
 
 
+def _claimed_in_cpp(claim: bytes, me: dict[str, Any]) -> bool:
+    """Whether the group's fault was claimed, and rung, by this rank's watched backend for the same
+    timeout (see ``NativeReport`` in csrc/watched/watched.h: at the deadline, as soon as this
+    rank's Python could run, or instead of it)."""
+    rec = keys.parse_record(claim, _CLAIM_FIELDS)
+    if rec is None or rec["state"] != "timed_out" or me["state"] != "timed_out":
+        return False
+    return all(rec[k] == me[k] for k in ("rank", "op", "seq"))
+
+
+_CLAIM_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "op": str, "seq": int, "state": str}
+
+
 def _ring_missed(st: GroupState, store: Any, prefix: str, status: dict[str, Any]) -> None:
     """The ringer, halfway through its window: rings the ranks its ring did not reach (see
     fastdist.diagnostics.ring.ring_missed), unless the board is closed already."""
@@ -261,8 +274,10 @@ def report(
     def work(_abandoned: threading.Event) -> dict[str, Any]:  # (late posts to a closed board are harmless)
         mine = json.dumps(me)
         again = None
-        if not rung and store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
-            ring.ring(st, me)  # the first to report: every other live rank learns it now
+        claim = None if rung else bytes(store.compare_set(f"{prefix}/fault", "", mine))
+        if claim is not None and (claim == mine.encode() or _claimed_in_cpp(claim, me)):
+            if claim == mine.encode():
+                ring.ring(st, me)  # the first to report: every other live rank learns it now
             # Halfway through the window, once more to the ranks whose ring parent is silent.
             again = keywait.at_deadline(
                 current_time() + span / 2,

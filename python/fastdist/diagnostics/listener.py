@@ -164,13 +164,14 @@ def _handle_death(death: dict[str, Any]) -> None:
 _DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
 
 
-# The fault records handled: a rank can be rung twice with one (its ringer rings the ranks whose
-# ring parent stayed silent again, directly: board.report), and acts once.
-_handled: set[bytes] = set()
+# The faults handled: a rank can be rung twice for one (its ringer rings the ranks whose ring
+# parent stayed silent again, directly: board.report; the first ring may have come from its
+# watched backend, in C++), and acts once.
+_handled: set[tuple[Any, ...]] = set()
 
 
 def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
-    key = raw if isinstance(raw, bytes) else str(raw).encode()
+    key = tuple(fault[k] for k in ("group", "gen", "root", "op", "seq"))
     if key in _handled:
         return
     _handled.add(key)
