@@ -118,13 +118,27 @@ def build(data: dict) -> tuple[str, dict]:
             "",
             "### Fault propagation: rank 0 times out, the others wait in the same op (60 s deadline)",
             "",
-            "| ranks | median after rank 0's deadline | p99 |",
-            "|---|---|---|",
+            (
+                "| ranks | median after rank 0's deadline | p99 | CPU of a rank in the failing call "
+                "(median) | in a healthy barrier that waited 0.5 s |"
+            ),
+            "|---|---|---|---|---|",
         ]
         for k, x in prop:
             lines.append(
-                f"| {k.split('[')[1].rstrip(']')} | {x['median_ms']:.1f} ms | {x['p99_ms']:.1f} ms |"
+                f"| {k.split('[')[1].rstrip(']')} | {x['median_ms']:.1f} ms | {x['p99_ms']:.1f} ms | "
+                f"{x['cpu_ms']:.2f} ms | {x['idle_cpu_ms']:.2f} ms |"
             )
+        trip = b.get("test_store_round_trip_to_an_idle_thread", {}).get("extra_info")
+        if trip:
+            lines += [
+                "",
+                (
+                    "Its anchor, a store round trip through a thread of another process that waits in a "
+                    f"queue pop: {trip['back to back ms']:.3f} ms back to back, "
+                    f"{trip['after 0.3 s idle ms']:.3f} ms after it idled 0.3 s."
+                ),
+            ]
     scale = [b[k]["extra_info"] for k in sorted(b) if k.startswith("test_report_scale")]
     if scale:
         lines += [
@@ -242,12 +256,14 @@ def build(data: dict) -> tuple[str, dict]:
                 f"{restart / row['spare']:.1f}x |"
             )
         steps = [
-            f"{k}: {x['step_after_ms'] / x['step_before_ms']:.2f}"
+            f"{k}: {x['step_after_ms'] / x['step_before_ms']:.2f} ({x['undisturbed_ratio']:.2f})"
             for k, x in sorted(death.items())
             if not k.startswith("torchrun")
         ]
         lines.append(
-            f"\nRank 0's median step after the join against before it (goal <= 1.02): {', '.join(steps)}."
+            "\nRank 0's median step after the join against before it (goal <= 1.02; in brackets, its "
+            "anchor: the same ratio between the two halves of the stretch before the fault, steps 41-60 "
+            f"and 61-80, which differ by nothing but the machine's noise): {', '.join(steps)}."
         )
     hand = b.get("test_state_hand_over_throughput", {}).get("extra_info")
     if hand:
