@@ -40,7 +40,7 @@ test: check
 	scripts/install-test-deps
 	$(PY) -m pytest -n 2 --dist worksteal --durations=25
 
-# The benchmarks (about 4 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.
+# The benchmarks (about 9 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.
 bench: setup
 	scripts/install-test-deps
 	mkdir -p bench/results

@@ -6,6 +6,10 @@ and the last one hears it after about log2(N) hops. A group of at most ``pgstate
 ranks is rung by the ringer alone, directly (the tree: ``GroupState.ring_children``): a push costs
 a store round trip (about 0.1 ms), a hop a listener's wake-up, a parse and a push (about 1 ms on a
 loaded host). Each rank's inbox is a store queue (``inbox/RANK``).
+
+A timeout's ring is pushed from C++ (``NativeReport`` in csrc/watched/watched.h) as soon as the
+error's builder has the GIL, or instead of Python when it does not get it in time; the report
+(fastdist.diagnostics.board) then finds the claim its own.
 """
 
 from __future__ import annotations
