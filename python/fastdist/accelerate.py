@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -171,25 +172,44 @@ class LoaderState:
         self.loader = loader
 
     def state_dict(self) -> dict[str, Any]:
-        started = _epoch_starts.get(id(self.loader.synchronized_generator))
+        started = _epochs_of(self.loader.synchronized_generator).start
         return {"epoch_start": dict(started) if started is not None else {}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if not isinstance(sd, dict) or not isinstance(sd.get("epoch_start"), dict):
             raise TypeError(f"not a LoaderState's state_dict: {sd!r}")
-        gen = self.loader.synchronized_generator
-        if sd["epoch_start"] and id(gen) not in _synchronized:
+        epochs = _epochs_of(self.loader.synchronized_generator)
+        if sd["epoch_start"] and epochs.start is None:
             # A process whose loader never started an epoch (a joiner): its first one takes these.
             # A live rank that loads them (it had got further) is mid-epoch already: its next
             # epoch broadcasts with the others.
-            _pending[id(gen)] = sd["epoch_start"]
+            epochs.pending = sd["epoch_start"]
 
 
-# Generator id -> the RNG states set at the start of its loader's current epoch; the generators
-# that started an epoch in this process; and states handed over for a first epoch.
-_epoch_starts: dict[int, dict[str, torch.Tensor]] = {}
-_synchronized: set[int] = set()
-_pending: dict[int, dict[str, torch.Tensor]] = {}
+class _Epochs:
+    """A loader generator's epochs in this process: the RNG states set at the start of the
+    current one (None: none started here yet), and states handed over for its first one."""
+
+    __slots__ = ("pending", "start")
+
+    def __init__(self) -> None:
+        self.start: dict[str, torch.Tensor] | None = None
+        self.pending: dict[str, torch.Tensor] | None = None
+
+
+# By generator, held weakly: a generator's record dies with it (one keyed by id() could pass to a
+# new generator at the same address). None (the global RNG) has one of its own.
+_epochs: weakref.WeakKeyDictionary[Any, _Epochs] = weakref.WeakKeyDictionary()
+_global_epochs = _Epochs()
+
+
+def _epochs_of(generator: Any) -> _Epochs:
+    if generator is None:
+        return _global_epochs
+    epochs = _epochs.get(generator)
+    if epochs is None:
+        epochs = _epochs[generator] = _Epochs()
+    return epochs
 
 
 def _rng_state(rng_type: str, generator: Any) -> torch.Tensor:
@@ -218,16 +238,14 @@ def _watch_epoch_starts() -> None:
 
     def synchronize_rng_states(rng_types: Any, generator: Any = None) -> None:
         names = [getattr(t, "value", t) for t in rng_types]
-        pending = _pending.pop(id(generator), None)
+        epochs = _epochs_of(generator)
+        pending, epochs.pending = epochs.pending, None
         if pending is not None and set(pending) == {n for n in names if n in ("generator", "torch")}:
             for name in names:
                 _set_rng_state(name, generator, pending[name])
         else:
             real(rng_types, generator)
-        _synchronized.add(id(generator))
-        _epoch_starts[id(generator)] = {
-            n: _rng_state(n, generator).clone() for n in names if n in ("generator", "torch")
-        }
+        epochs.start = {n: _rng_state(n, generator).clone() for n in names if n in ("generator", "torch")}
 
     synchronize_rng_states._fastdist = True  # type: ignore[attr-defined]
     data_loader.synchronize_rng_states = synchronize_rng_states
