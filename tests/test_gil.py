@@ -115,5 +115,55 @@ def test_a_rank_holding_the_gil_at_its_deadline_is_reported_from_cpp(tmp_path: P
     assert all(rec["equal"] for rec in got.values()), info
 
 
+def test_when_python_runs_the_timeout_is_rung_from_cpp_without_the_gil_note() -> None:
+    """The other side of the native report: when the error's builder gets the GIL in time, C++
+    still claims the group's fault and rings the rank's children at once (while Python marks the
+    group dead and hands its report to a store thread), and says nothing of the GIL; it posts no
+    status (Python's report does). In one process: a watched NCCL double whose "kernel" stalls
+    past a 0.3 s deadline, on a group fastdist does not know (its builder makes no report)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from fastdist._native import _watched
+    from fastdist.errors import GroupAbortedError
+    from fastdist.ops import watching
+    from fastdist.store import keys
+
+    watching.install()
+    store = dist.HashStore()
+    gloo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+    b = _watched.WatchedBackend(_watched.NcclDouble(gloo), "rung-early", 0.3, True)
+    children = [keys.inbox(1), keys.inbox(2)]
+    b.set_native_report(store, "rung-early", 0, 0, 0, "fault", "status", "count", children)
+    _watched.NcclDouble.configure(delay=2.0)
+    try:
+        with pytest.raises(GroupAbortedError):
+            b.allreduce([torch.ones(1)]).wait()
+    finally:
+        _watched.NcclDouble.configure(delay=0.0)
+    # Made when the builder took the GIL, on the thread that would have made the native report
+    # (here the builder finds no group, so nothing else writes them).
+    store.wait(["fault"], datetime.timedelta(seconds=10))
+    claim = json.loads(bytes(store.get("fault")))
+    assert (claim["rank"], claim["op"], claim["seq"], claim["state"]) == (0, "all_reduce", 1, "timed_out")
+    for inbox in children:
+        end = time.monotonic() + 10
+        while store.queue_len(inbox) == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert store.queue_len(inbox) == 1
+        rung = json.loads(bytes(store.queue_pop(inbox, False)))
+        assert (rung["kind"], rung["group"], rung["root"], rung["op"], rung["seq"]) == (
+            "fault",
+            "rung-early",
+            0,
+            "all_reduce",
+            1,
+        )
+        assert "gil" not in rung and "gil" not in claim
+    time.sleep(0.4)  # past the native report's 0.2 s: it did not run, so nothing was posted
+    assert not b.native_posted(0) and not store.check(["status"])
+
+
 if __name__ == "__main__":
     rank_main(Path(sys.argv[1]))
