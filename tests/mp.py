@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,11 +38,33 @@ RECORD_PREFIX = "@@fastdist@@ "
 EXIT_SLACK = 2.5
 
 
+def _below_ephemeral() -> range:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(max(1024, low - 12000), low)
+
+
+# Below the kernel's ephemeral range (ip_local_port_range), where bind(0) picks from and where every
+# outgoing connection takes its local port: the hundreds that gloo and store clients make in
+# parallel tests could take a port picked there between the check and the launcher's bind (one took
+# 42453 once: "port 42453 (--master-port) is already in use").
+_PORTS = _below_ephemeral()
+_random = random.Random()  # (seeded from os.urandom: two pytest workers draw differently)
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, outside the ephemeral range."""
+    for _ in range(1000):
+        port = _random.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def run_session(

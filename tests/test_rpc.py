@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import rpc_ranks
-from mp import EXIT_SLACK, describe, run_ranks
+from mp import EXIT_SLACK, describe, free_port, run_ranks
 
 
 @pytest.mark.timeout(120)
 def test_rpc_timeouts_are_typed_bounded_and_the_agent_keeps_working() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = run_ranks(rpc_ranks.rpc_timeouts, 2, env={"FASTDIST_RPC_PORT": str(port)}, timeout=100)
     info = describe(results)
     r0, r1 = results
