@@ -156,7 +156,7 @@ def gpu_abort_bench(ctx) -> None:
     if ctx.rank == 1:
         ctx.wait_release()
         return
-    from fastdist.ops import polled
+    from fastdist.groups import abort
 
     t0 = time.monotonic()
     try:
@@ -164,7 +164,7 @@ def gpu_abort_bench(ctx) -> None:
     except CollectiveTimeoutError:
         raised = time.monotonic() - t0
     t1 = time.monotonic()
-    polled.wait_aborts()
+    abort.wait_aborts()
     waited = time.monotonic() - t1
     ctx.record("abort", error_after_deadline_ms=(raised - 1.0) * 1e3, abort_wait_ms=waited * 1e3)
 
@@ -174,7 +174,7 @@ def bench_detection(ctx) -> None:
     subgroup, with the missing-rank report (the default) and without it."""
     import statistics
 
-    from fastdist.diagnostics import board
+    from fastdist.store import board
 
     ctx.init()
     n = int(os.environ.get("FASTDIST_BENCH_HANGS", "50"))

@@ -3,7 +3,7 @@
 Simulates ranks FIRST..FIRST+COUNT-1 of a WORLD-rank group as clients of one TCPStore, running
 fastdist's own protocols without a process or a torch group per rank:
 
-1. The fault report (fastdist.diagnostics.board.report, the ring tree of fastdist.diagnostics.ring):
+1. The fault report (fastdist.store.board.report, the ring tree of fastdist.store.ring):
    rank 0 times out and reports; every other rank but the last (dead: it never answers) is rung,
    forwards the ring to its children, posts its status and collects the report, as a rank in the same op does.
 2. The recovery agreement (fastdist.recovery.recover._agree) with every rank arriving: generation 1.
@@ -28,10 +28,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
-from fastdist.diagnostics import board, ring
 from fastdist.groups import pgstate
 from fastdist.recovery import recover as recovery
-from fastdist.store import keys, keywait
+from fastdist.store import board, keys, keywait, ring
 
 BUDGET = 1.0  # the op's timeout: the report window is 0.1 s plus 5 ms per level of the ring tree
 SHRINK_AFTER = 1.0  # phase 3: the agreement's deadline, after its start
@@ -109,18 +108,17 @@ def main() -> None:
         fault = json.loads(raw)
         for child in st.ring_children(fault["root"]):
             ring.deliver(st.store, child, raw.decode())
-        status = {
-            "rank": r,
-            "op": "barrier",
-            "seq": 1,
-            "state": "in_op",
-            "t": time.time(),
-            "stack": ["train.py:88 in main", "train.py:57 in step"],
-            "waits": [[s, 900 + (r * 7 + s * 13) % 200] for s in range(1, board.WAITS_KEPT + 1)],
-        }
-        if board.post_status(st, status):
-            board.publish(st, st.store)
-        rep = board.report(st, "barrier", 1, "aborted", BUDGET, rung=True)
+        # A seat of its own, as GroupState.seat makes one, less what a simulated rank has not: op
+        # history (its waits are made up), backends, ring children (rung, it rings nobody). With
+        # st.seat() here instead, the ring reached the last rank about 20 ms later in 4 runs of 4
+        # and some ranks posted after the window, though st.seat() took 6 us (median) a call:
+        # 256 ranks share a GIL here, and what costs that is not understood.
+        waits = [[s, 900 + (r * 7 + s * 13) % 200] for s in range(1, pgstate.WAITS_KEPT + 1)]
+        seat = board.Seat(st.store, "sim", 0, r, world, posted=st.lineage.posted, waits=waits)
+        status = seat.status("barrier", 1, "in_op", stack=["train.py:88 in main", "train.py:57 in step"])
+        if board.post_status(seat, status):
+            board.publish(seat)
+        rep = board.report(seat, "barrier", 1, "aborted", BUDGET, rung=True)
         assert rep is not None and world - 1 in rep.missing, rep
 
     def run_rank(r: int, st: Any, counter: list[int], blocking: Any) -> None:
@@ -129,7 +127,9 @@ def main() -> None:
         # and the control connection is shared by every simulated rank of this process.
         if r == 0:
             blocking.wait(["fire"])
-            rep = timed("report", r, counter, lambda: board.report(st, "barrier", 1, "timed_out", BUDGET))
+            rep = timed(
+                "report", r, counter, lambda: board.report(st.seat(), "barrier", 1, "timed_out", BUDGET)
+            )
             assert rep is not None and world - 1 in rep.missing, rep
             answered[0] = world - len(rep.missing)  # the dead rank never answers
         elif r != world - 1:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import SMOKE
-from fastdist.diagnostics import board
+from fastdist.store import board
 
 pytestmark = pytest.mark.timeout(900)
 # 256 simulated ranks (threads) per process: 4 processes at 1,024 ranks, 16 at 4,096 (at 1,024

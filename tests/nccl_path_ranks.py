@@ -11,7 +11,7 @@ import fastdist
 import torch
 import torch.distributed as dist
 from fastdist import CollectiveTimeoutError, GroupAbortedError
-from fastdist.ops import polled
+from fastdist.groups import abort
 from ranks_common import record_error
 
 
@@ -66,7 +66,7 @@ def fake_nccl_logic(ctx) -> None:
         ctx.record(
             "timeout",
             elapsed=elapsed,
-            aborts_done=polled.wait_aborts(),
+            aborts_done=abort.wait_aborts(),
             aborted=fake_nccl.aborts(),
             message=str(e),
         )

@@ -15,6 +15,7 @@ import fastdist
 import pytest
 import torch
 from fastdist import CollectiveTimeoutError, FastdistError, GroupAbortedError, RendezvousTimeout
+from mp import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -440,14 +441,12 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
     import json
 
     import torch.distributed as dist
-    from fastdist.diagnostics import board
     from fastdist.errors import RendezvousConnectionError
-    from fastdist.groups import pgstate
-    from fastdist.store import keys, rendezvous
+    from fastdist.store import board, keys, rendezvous
     from fastdist.store.job import JOB
 
     store = dist.HashStore()
-    st = pgstate.GroupState.without_group(store, 0, 3, "g")
+    seat = board.Seat(store, "g", 0, 0, 3)
     prefix = keys.key("diag", "g", 0)
     store.append(f"{prefix}/status", "{not json\n")
     good = {"rank": 2, "op": "barrier", "seq": 4, "state": "timed_out", "t": 1.0}
@@ -455,7 +454,7 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
     store.append(f"{prefix}/status", json.dumps(dict(good, rank=1, seq="4")) + "\n")  # a wrong type
     store.add(f"{prefix}/count", 2)
     before = JOB.failure
-    rep = board.report(st, "barrier", 4, "timed_out", 1.0)
+    rep = board.report(seat, "barrier", 4, "timed_out", 1.0)
     # The invalid records are ignored (rank 1 counts as not answering), the valid one is used,
     # and the store is not reported as gone.
     assert rep is not None and rep.missing == [1] and rep.timed_out == [2] and not rep.desynced, rep
@@ -468,7 +467,7 @@ def test_malformed_store_records_give_clear_errors_not_crashes() -> None:
 
 
 def test_straggler_hint_names_a_rank_only_when_it_is_clearly_last_in_most_ops() -> None:
-    from fastdist.diagnostics.board import straggler
+    from fastdist.store.board import straggler
 
     def waits(last_us: int, others_us: int, n: int = 8, slow: int = 2) -> dict[int, Any]:
         return {r: [[s, last_us if r == slow else others_us] for s in range(1, n + 1)] for r in range(3)}
@@ -570,11 +569,7 @@ def test_errors_say_one_right_next_step() -> None:
 
 
 def test_init_twice_and_a_timeout_of_a_million_days(tmp_path: Any) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     code = (
         "import datetime, fastdist\n"
         "fastdist.init_process_group('gloo', timeout=datetime.timedelta(days=10**6))\n"

@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from fastdist.deadlines import current_time
-from fastdist.diagnostics import board
 from fastdist.errors import RecoveryError
 from fastdist.groups import pgstate
 from fastdist.recovery import recover as recovery
-from fastdist.store import keys
+from fastdist.store import board, keys, ring
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,6 +25,12 @@ pytestmark = pytest.mark.timeout(60)
 def _rank(store: Any, rank: int, size: int, name: str = "g") -> Any:
     """The state of rank ``rank`` of a simulated group, with no torch group behind it."""
     return pgstate.GroupState.without_group(store, rank, size, name)
+
+
+def _seat(store: Any, rank: int, size: int, name: str = "g") -> board.Seat:
+    """Rank ``rank``'s seat on the board of a simulated group's generation 0, as a real rank's
+    (its children in the ring tree rooted at it)."""
+    return board.Seat(store, name, 0, rank, size, children=ring.children(rank, rank, size, None))
 
 
 class Counting:
@@ -75,13 +80,13 @@ def _board(size: int) -> bytes:
 
 def test_the_summary_gives_every_rank_the_full_report_in_a_few_hundred_bytes() -> None:
     size = 1024
-    summary = board.summarize(_rank(None, 0, size), _board(size))
+    summary = board.summarize(_seat(None, 0, size), _board(size))
     text = json.dumps(summary, separators=(",", ":"))
     assert len(text) < 1024, (len(text), text)  # from 1,000 records of about 400 bytes each
     parsed = board.parse_summary(text.encode(), size)
     assert parsed == summary and parsed["invalid"] == 1
 
-    rep = board._judge(_rank(None, 3, size), "all_reduce", 57, parsed)
+    rep = board._judge(_seat(None, 3, size), "all_reduce", 57, parsed)
     assert rep.missing == [7, *range(1000, 1024)]  # in no op, and did not answer
     assert rep.desynced == {5: "barrier #3"}
     assert rep.timed_out == [0, 1, 2, 4, 5, 6, 8, 9]  # every other rank whose deadline passed
@@ -91,9 +96,9 @@ def test_the_summary_gives_every_rank_the_full_report_in_a_few_hundred_bytes() -
     assert 3 not in rep.stacks and 3 not in rep.missing  # never itself
     assert rep.straggler is not None and rep.straggler.startswith("rank 9 arrived last in 16 of the last 16")
     # Rank 0 is the earliest timeout: its own report takes the next one.
-    assert board._judge(_rank(None, 0, size), "all_reduce", 57, parsed).first_timeout_wall == 101.0
+    assert board._judge(_seat(None, 0, size), "all_reduce", 57, parsed).first_timeout_wall == 101.0
     # The same summary, judged by the rank in the other op: everyone in all_reduce #57 is desynced.
-    other = board._judge(_rank(None, 5, size), "barrier", 3, parsed)
+    other = board._judge(_seat(None, 5, size), "barrier", 3, parsed)
     assert len(other.desynced) == 998 and other.desynced[0] == "all_reduce #57" and 5 not in other.desynced
 
 
@@ -130,19 +135,19 @@ def test_a_rank_reads_the_records_itself_when_the_summary_is_not_fastdists() -> 
     store.set(f"{prefix}/summary", "garbage")  # a stranger's, or a corrupt value
     # Rank 0 of 4 posts (3 of 4: the board stays open), finds the summary invalid, and builds the
     # report from the records: rank 3 did not answer.
-    rep = board.report(_rank(store, 0, 4), "barrier", 4, "timed_out", 1.0)
+    rep = board.report(_seat(store, 0, 4), "barrier", 4, "timed_out", 1.0)
     assert rep is not None and rep.missing == [3] and rep.stacks == {1: ["x.py:1 in f"], 2: ["x.py:2 in f"]}
 
 
 def test_the_rank_that_completes_the_board_publishes_the_summary_once() -> None:
     store = dist.HashStore()
-    ranks = [_rank(store, r, 3, name="h") for r in range(3)]
+    ranks = [_seat(store, r, 3, name="h") for r in range(3)]
     rec = {"op": "barrier", "seq": 1, "state": "in_op", "t": 1.0}
     assert not board.post_status(ranks[1], dict(rec, rank=1))
     assert not board.post_status(ranks[1], dict(rec, rank=1))  # once per generation
     assert not board.post_status(ranks[2], dict(rec, rank=2))
     counting = Counting(store)
-    rep = board.report(_rank(counting, 0, 3, name="h"), "barrier", 1, "timed_out", 1.0)
+    rep = board.report(_seat(counting, 0, 3, name="h"), "barrier", 1, "timed_out", 1.0)
     assert rep is not None and rep.missing == [] and not rep.desynced
     # A compare-and-set (the fault), the ring's two pushes, the post (an append and an add),
     # closing the board, one read of every record and the summary's write: no wait.
@@ -161,7 +166,7 @@ def test_when_the_closer_never_publishes_one_rank_takes_its_place_and_every_rank
     counters = {r: Counting(store) for r in range(3)}
 
     def run(r: int) -> None:
-        reports[r] = board.report(_rank(counters[r], r, 4, name="t"), "barrier", 2, "timed_out", 1.0)
+        reports[r] = board.report(_seat(counters[r], r, 4, name="t"), "barrier", 2, "timed_out", 1.0)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
     for t in threads:
@@ -310,25 +315,23 @@ def test_the_ringer_rings_again_the_ranks_under_a_silent_parent() -> None:
     halfway through its window the ringer rings, directly, each rank that has not posted and
     whose parent has not either; ranks under a parent that posted (and so forwarded) are not rung
     twice, nor are ranks known dead."""
-    from fastdist.diagnostics import ring
-
     store = dist.HashStore()
     # 7 ranks rooted at rank 2: positions 1..6 are ranks 3, 4, 5, 6, 0, 1; the parent of
     # position p is position (p - 1) // 2, so rank 3 (position 1) is the parent of 5 and 6.
-    st = _rank(store, 2, 7)
+    seat = _seat(store, 2, 7)
     status = {"op": "all_reduce", "seq": 4, "state": "timed_out", "t": 1.0}
     # Rank 3 is silent (the root rang it itself: not again); ranks 5 and 6 under it are rung.
-    assert ring.ring_missed(st, status, posted={2, 4, 0, 1}) == 2
+    assert board.ring_missed(seat, status, posted={2, 4, 0, 1}) == 2
     got = {r: store.queue_len(keys.inbox(r)) for r in range(7)}
     assert got == {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 1, 6: 1}, got
     record = json.loads(store.queue_pop(keys.inbox(5), False))
     assert (record["root"], record["op"], record["seq"]) == (2, "all_reduce", 4)
     # Under a parent that posted (it was alive and forwarded) nobody is rung again; a rank known
     # dead (the launcher said so) is not rung either.
-    assert ring.ring_missed(_rank(dist.HashStore(), 2, 7), status, posted={2, 3, 4}) == 0
+    assert board.ring_missed(_seat(dist.HashStore(), 2, 7), status, posted={2, 3, 4}) == 0
     fresh = dist.HashStore()
     dead = {**status, "dead": "rank 6 is dead", "dead_ranks": [6]}
-    assert ring.ring_missed(_rank(fresh, 2, 7), dead, posted={2, 4}) == 1
+    assert board.ring_missed(_seat(fresh, 2, 7), dead, posted={2, 4}) == 1
     assert [fresh.queue_len(keys.inbox(r)) for r in range(7)] == [0, 0, 0, 0, 0, 1, 0]
 
 
@@ -341,13 +344,13 @@ def test_a_fault_claimed_and_rung_from_cpp_is_the_reports_own(claimed_by: str) -
     claim of its own. A peer's claim is not its own: it rings nobody."""
     store = dist.HashStore()
     # 7 ranks, the tree rooted at rank 0: 1 and 2 under it, 3-6 under them; nobody else posts.
-    st = _rank(store, 0, 7)
+    seat = _seat(store, 0, 7)
     claim = {"rank": 0, "op": "barrier", "seq": 4, "state": "timed_out", "t": 1.0, "waits": []}
     if claimed_by == "cpp":
         store.set(f"{keys.board('g', 0)}/fault", json.dumps(claim))
     elif claimed_by == "peer":
         store.set(f"{keys.board('g', 0)}/fault", json.dumps({**claim, "rank": 1}))
-    rep = board.report(st, "barrier", 4, "timed_out", 1.0)
+    rep = board.report(seat, "barrier", 4, "timed_out", 1.0)
     assert rep is not None and rep.missing == [1, 2, 3, 4, 5, 6], rep
     rung = [store.queue_len(keys.inbox(r)) for r in range(7)]
     # The root's children (1, 2): rung by whoever claimed (here, C++ only in a real job); their

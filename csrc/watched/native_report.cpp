@@ -54,7 +54,7 @@ std::string json_string(const std::string& s) {
 
 std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
 
-// fastdist.diagnostics.board's status record and ring's fault record; "gil": true when made
+// fastdist.store.board's status record and ring's fault record; "gil": true when made
 // because Python could not run.
 struct Records {
   std::string status, ring;

@@ -85,7 +85,7 @@ struct FaultInfo {
 };
 
 // What a rank whose Python cannot run at a deadline (a thread holds the GIL in a long C call)
-// still does, in C++, kGilWait after it: the first steps of fastdist.diagnostics.board's
+// still does, in C++, kGilWait after it: the first steps of fastdist.store.board's
 // report, the same records in the same keys. It claims the group's fault, rings its children in
 // the ring tree (their inboxes) and posts its status ("timed_out", with "gil": true), so the other
 // ranks raise at once, naming this rank as the one that timed out, instead of waiting for it and

@@ -9,8 +9,10 @@ that of every enclosing scope.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import datetime
+import logging
 import math
 import numbers
 import os
@@ -461,6 +463,23 @@ def set_timeout_handler(handler: TimeoutHandler | None) -> None:
 def get_timeout_handler() -> TimeoutHandler | None:
     """The handler set by :func:`set_timeout_handler`, or ``None``."""
     return _handler
+
+
+def exit_process(code: object) -> None:
+    """Ends the process from any thread with ``sys.exit``'s meaning of ``code``. ``sys.exit``
+    in a thread other than the main one would end only that thread."""
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # exiting anyway: a stream that cannot flush is left
+            stream.flush()
+    os._exit(status)
 
 
 def run_timeout_handler(error: BaseException) -> None:

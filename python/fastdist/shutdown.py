@@ -30,7 +30,8 @@ import time
 
 from .deadlines import flush_engine
 from .diagnostics import listener
-from .ops import fault, polled, watching, work
+from .groups import abort
+from .ops import fault, watching, work
 from .recovery import snapshot
 from .store import bounded
 
@@ -59,7 +60,7 @@ def _at_exit() -> None:
     watching.drain_inflight(ops_end)
     work.drain_abandoned(ops_end)
     time.sleep(SETTLE_SECONDS)
-    polled.stop()
+    abort.stop()
     if watching.active():
         watching.keep_dead_backends()
     bounded.drain(end)

@@ -9,7 +9,7 @@ import fastdist
 import torch
 import torch.distributed as dist
 from fastdist import CollectiveTimeoutError, FastdistError
-from fastdist.ops import polled
+from fastdist.groups import abort
 
 # Two ranks on ONE GPU (../shared/notes/gpu.md): NCCL refuses two ranks of a communicator on one
 # device unless each looks like a host of its own (NCCL_HOSTID, set per rank below); they then
@@ -125,7 +125,7 @@ def gpu_missing_rank(ctx) -> None:
     except CollectiveTimeoutError as e:
         ctx.record("timeout", elapsed=time.monotonic() - t0, missing=e.missing_ranks, message=str(e))
     t0 = time.monotonic()
-    polled.wait_aborts()  # torch's abort of the communicators, started at the deadline
+    abort.wait_aborts()  # torch's abort of the communicators, started at the deadline
     ctx.record("aborted", seconds=time.monotonic() - t0)
 
 

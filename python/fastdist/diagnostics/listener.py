@@ -2,7 +2,7 @@
 learns it at once, says where it is, and ends its own op on the group.
 
 Each process runs one listener thread (started by ``fastdist.init_process_group``) blocked on its
-own store connection in a pop from its inbox (fastdist.diagnostics.ring): an idle rank makes no
+own store connection in a pop from its inbox (fastdist.store.ring): an idle rank makes no
 wake-ups and no store traffic. A rung rank forwards the ring to its children, posts its status
 (the op it is in on that group, and the Python stack of the thread that issued it, or of its
 main thread when it is in none) to the group's board, then fails its ops in flight on the group
@@ -17,18 +17,18 @@ timeout, shortly after.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
 import threading
-import time
 from typing import Any
 
 from ..groups import pgstate, registry
-from ..store import keys, keywait
+from ..store import board, keys, keywait, ring
 from ..store.bounded import bounded
 from ..store.etcd import queues_of
-from . import board, events, ring, stacks
+from . import events, stacks, verdict
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ _DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "t
 
 
 # The faults handled: a rank can be rung twice for one (its ringer rings the ranks whose ring
-# parent stayed silent again, directly: board.report; the first ring may have come from its
+# parent stayed silent again, directly: fastdist.store.board.report; the first ring may have come from its
 # watched backend, in C++), and acts once.
 _handled: set[tuple[Any, ...]] = set()
 
@@ -184,36 +184,21 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
             ring.deliver(store, child, record)
         backends = registry.backends_of(pg)
         inflight = sorted((op for b in backends for op in b.inflight_ops()), key=lambda o: o[1])
+        seat = dataclasses.replace(st.seat(), store=store)
         if inflight:
             op, seq, thread, _start = inflight[0]
-            status = {
-                "rank": st.rank,
-                "op": op,
-                "seq": seq,
-                "state": "in_op",
-                "t": time.time(),
-                "stack": stacks.stack_of(thread),
-                "waits": board.waits(st),
-            }
+            status = seat.status(op, seq, "in_op", stack=stacks.stack_of(thread))
         else:
-            status = {
-                "rank": st.rank,
-                "op": "",
-                "seq": 0,
-                "state": "elsewhere",
-                "t": time.time(),
-                "stack": stacks.stack_of(stacks.issuer(backends)),
-                "waits": board.waits(st),
-            }
-        if board.post_status(st, status, store):
+            status = seat.status("", 0, "elsewhere", stack=stacks.stack_of(stacks.issuer(backends)))
+        if board.post_status(seat, status):
             # This rank's post completed the board: it publishes the summary, before it ends its
             # ops (ending one can run that op's own report, which waits for the summary, here).
-            board.publish(st, store)
+            board.publish(seat)
         verb = {"timed_out": "timed out in", "interrupted": "was interrupted (KeyboardInterrupt) in"}.get(
             str(fault.get("state")), "failed in"
         )
         reason = (
-            f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']}{ring.gil_note(fault)} and aborted "
+            f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']}{verdict.gil_note(fault)} and aborted "
             f"group {st.name!r} while this rank was in no op on it"
         )
         if isinstance(fault.get("dead"), str):

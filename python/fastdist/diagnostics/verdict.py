@@ -1,21 +1,21 @@
 """What a failed op on a group means: the typed error a caller gets.
 
 Read by fastdist.ops.fault, which builds the error once per fault (called from C++). The report
-itself, who arrived and who did not, is fastdist.diagnostics.board.
+itself, who arrived and who did not, is fastdist.store.board.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 from ..deadlines import current_time
 from ..errors import CollectiveTimeoutError
 from ..groups.opcall import OpCall
-from ..store import job
+from ..store import board, job
 from ..store.bounded import GRACE_SECONDS
 from ..store.job import JOB
-from . import board
 
 # How long it waits for fastdist run's record of a death (its agent polls every 0.1 s).
 DEATH_WAIT = 0.5
@@ -91,7 +91,7 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
     if dead:
         who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
         # The ranks not connected to the dead one would wait for their deadline: ring them.
-        board.announce(st, op, seq, "aborted", dead=who, dead_ranks=list(dead))
+        board.announce(st.seat(frozenset(dead)), op, seq, "aborted", dead=who)
         reason = f"{who}; {op} #{seq} failed: {text}"
         st.mark_dead(reason, replace=True)
         st.presume_gone(list(dead))
@@ -99,8 +99,8 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
     # The report rings every live rank at once (they answer within its window), and a peer that
     # timed out posted before it closed the group: no need to wait for this op's deadline too
     # (a dead rank's peers did, 3.3 s for a 3 s step, before the ring existed).
-    rep = board.report(st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0)
-    cause, why = board.peer_closed_verdict(rep, started_wall)
+    rep = board.report(st.seat(), op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0)
+    cause, why = peer_closed_verdict(rep, started_wall)
     if rep is None and JOB.failure is not None:
         why = JOB.store_gone_reason()
     if cause is not None:
@@ -114,3 +114,40 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
         # shrink does not wait for them (see fastdist.recovery).
         st.presume_gone(rep.missing)
     return st.aborted(op, reason)
+
+
+def peer_closed_verdict(rep: board.Report | None, started_wall: float) -> tuple[str | None, str]:
+    """What a report says about a group a peer closed under this rank's op (started at
+    ``started_wall``, a time.time()): ``(cause, "")`` when a peer timed out while this rank was in
+    the op (then this is a timeout too), else ``(None, why)``: this rank arrived after a peer had
+    timed out and aborted (a straggler), or peers exited or were killed."""
+    if (
+        rep is not None
+        and rep.timed_out
+        and rep.first_timeout_wall is not None
+        and rep.first_timeout_wall > started_wall
+    ):
+        return f"rank {min(rep.timed_out)} timed out first and closed the group", ""
+    if rep is not None and rep.timed_out:
+        return None, f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
+    if rep is not None and rep.missing:
+        many = len(rep.missing) > 1
+        return (
+            None,
+            (
+                f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or "
+                f"{'were' if many else 'was'} killed"
+            ),
+        )
+    return None, "a peer exited or was killed"
+
+
+def gil_note(record: dict[str, Any]) -> str:
+    """For a fault record that C++ made because the ringer's Python could not run at its deadline
+    (``"gil": true``; see ``NativeReport`` in csrc/watched/watched.h): says so, else ``""``."""
+    if record.get("gil") is not True:
+        return ""
+    return (
+        " (its Python could not run within 0.2 s of its deadline: a thread there held the GIL, or its "
+        "host was starved; fastdist reported it from C++)"
+    )

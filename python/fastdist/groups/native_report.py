@@ -1,6 +1,6 @@
 """The report a watched group's backends make in C++ when this process's Python cannot run at a
 deadline (a thread holds the GIL in a long C call): what each generation of a group hands them
-(see ``NativeReport`` in csrc/watched/watched.h; fastdist.diagnostics.board reads what they post).
+(see ``NativeReport`` in csrc/watched/watched.h; fastdist.store.board reads what they post).
 """
 
 from __future__ import annotations

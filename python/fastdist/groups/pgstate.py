@@ -29,14 +29,14 @@ _world = dist.distributed_c10d._world
 
 from .._native import _watched, hand_engine_over, watched_backends
 from ..errors import GroupAbortedError, RecoveryError
-from ..store import keys
+from ..store import board, keys, ring
 from . import native_report
 
 logger = logging.getLogger(__name__)
 
 
 # Backend names (as dist.get_backend() gives them) whose works complete their future at enqueue,
-# so that completion must be polled (fastdist.ops.polled): NCCL.
+# so that completion must be polled (fastdist.groups.abort): NCCL.
 POLLED_BACKENDS = {"nccl", _watched.NcclDouble.NAME}
 
 
@@ -62,9 +62,8 @@ class Lineage:
         # Global ranks, by generation, that closed their connections mid-op and did not answer
         # the report: a recovery allowed to shrink does not wait for them.
         self.gone: dict[int, set[int]] = {}
-        # (generation, rank) pairs this process has posted its status for: once each, so that the
-        # count of posting ranks is exact (a rank can both time out and be rung by a peer).
-        self.posted: set[tuple[int, int]] = set()
+        # The statuses this process has posted to the group's boards (fastdist.store.board).
+        self.posted = board.Posts()
         # This rank's (op count, optimizer updates) when a recovery began, kept until one
         # completes (fastdist.recovery.reconcile).
         self.pending: tuple[int, int] | None = None
@@ -291,38 +290,54 @@ class GroupState:
 
     def ring_children(self, root: int, dead: frozenset[int] = frozenset()) -> list[int]:
         """This rank's children in the ring tree rooted at group rank ``root`` (see
-        fastdist.diagnostics.ring), as global ranks; a child in ``dead`` (global ranks known
-        dead) is skipped for its own children, so that its subtree is still rung."""
-        out: list[int] = []
-        todo = [(self.rank - root) % self.size]
-        while todo:
-            pos = todo.pop()
-            for c in ring_child_positions(pos, self.size):
-                child = self.global_rank((root + c) % self.size)
-                if child in dead:
-                    todo.append(c)
-                else:
-                    out.append(child)
-        return out
+        fastdist.store.ring), as global ranks; a child in ``dead`` (global ranks known dead) is
+        skipped for its own children, so that its subtree is still rung."""
+        return ring.children(self.rank, root, self.size, self.global_ranks, dead)
+
+    def reporting_backends(self) -> list[Any]:
+        """The backends that report this rank's timeouts in C++ (see native_report): the watched
+        ones, or for a group torch made, fastdist's private ones."""
+        pg = self.ref()
+        if pg is None:
+            return []
+        return list(self.own.values()) if self.watched is None else watched_backends(pg)
+
+    def waits(self) -> list[list[int]]:
+        """This rank's last completed ops on the group as ``[seq, microseconds from issue to end]``
+        pairs, from the watched backend's history ring: the straggler hint of a status record
+        (fastdist.store.board.straggler)."""
+        try:
+            done = [r for r in self.history() if r["outcome"] == "ok" and r["end"] is not None]
+            return [
+                [int(r["seq"]), round((float(r["end"]) - float(r["start"])) * 1e6)]
+                for r in done[-WAITS_KEPT:]
+            ]
+        except Exception as exc:  # noqa: BLE001 - a hint must never cost the report itself
+            logger.debug("fastdist: no waits for the straggler hint: %r", exc)
+            return []
+
+    def seat(self, dead: frozenset[int] = frozenset()) -> board.Seat:
+        """This rank's place on the group's board, now (fastdist.store.board): the generation,
+        the ranks, the ring children (``dead``: global ranks known dead, rung past) and the waits
+        of the status it posts."""
+        return board.Seat(
+            store=self.store,
+            group=self.name,
+            generation=self.generation,
+            rank=self.rank,
+            size=self.size,
+            global_ranks=self.global_ranks,
+            posted=self.lineage.posted,
+            backends=self.reporting_backends(),
+            children=self.ring_children(self.rank, dead),
+            dead=dead,
+            waits=self.waits(),
+        )
 
 
-# The ring tree (fastdist.diagnostics.ring): a binary tree of the group's ranks rooted at the
-# ringer, except that groups of up to this many ranks are rung by the ringer directly (a push is
-# a store round trip, about 0.1 ms; a hop a listener's wake-up, a parse and a push, about 1 ms on
-# a loaded host).
-FLAT_RING_MAX = 4
-
-
-def ring_child_positions(pos: int, size: int) -> range:
-    """The positions (from the root, 0) of the children of position ``pos`` in the ring tree."""
-    if size <= FLAT_RING_MAX:
-        return range(1, size) if pos == 0 else range(0)
-    return range(2 * pos + 1, min(2 * pos + 3, size))
-
-
-def ring_parent_position(pos: int, size: int) -> int:
-    """The position of the parent of position ``pos`` (> 0) in the ring tree."""
-    return 0 if size <= FLAT_RING_MAX else (pos - 1) // 2
+# How many of a rank's last completed ops its status carries (as [seq, microseconds waited]),
+# for the straggler hint: 16 pairs are about 200 bytes.
+WAITS_KEPT = 16
 
 
 def own_group_of(ctl_id: int) -> Any | None:
@@ -359,10 +374,9 @@ def _own_backends(pg: Any, ctl: Any) -> dict[str, Any]:
 def _generation_began(st: GroupState) -> None:
     """A group's state was made, or its generation changed: its watched backends' native report
     (or its private ones', for a group torch made) gets this generation's keys."""
-    pg = st.ref()
-    if pg is None or st.size <= 1:
+    if st.size <= 1:
         return
-    backends = list(st.own.values()) if st.watched is None else watched_backends(pg)
+    backends = st.reporting_backends()
     if not backends:
         return
     inboxes = [keys.inbox(child) for child in st.ring_children(st.rank)]

@@ -1,2 +1,3 @@
 """Where an op is issued and waited on: the watched backend's wiring (every op on a watched
-group), the fallback for groups fastdist does not watch, and NCCL's polled completion."""
+group, or the private one fastdist's own ops on a group torch made go through), and where a fault
+becomes an error (fastdist.ops.fault)."""

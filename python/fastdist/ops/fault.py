@@ -4,7 +4,7 @@ The watched backend (csrc/watched: a watched group's, or the private one fastdis
 group torch made go through) calls :func:`build` once per fault, with the GIL, for the exception
 every waiter of the group raises. What follows a deadline is one sequence (:func:`timed_out`): the group is
 marked dead (an NCCL-like group's communicators start aborting, bounded, in the background), the
-who-is-missing report is gathered (fastdist.diagnostics.board, which reads the records; its
+who-is-missing report is gathered (fastdist.store.board, which reads the records; its
 verdicts: fastdist.diagnostics.verdict), ranks that never answered are named to ``fastdist run``,
 and the :class:`CollectiveTimeoutError` is built from the report. A peer's fault (:func:`_remote`)
 or a backend's error ends as the same timeout or as a :class:`GroupAbortedError` naming whose fault
@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from .._native import _watched
 from ..deadlines import current_time, run_timeout_handler
-from ..diagnostics import board, dump, events, ring, verdict
+from ..diagnostics import dump, events, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError, remember
-from ..groups import pgstate, registry
+from ..groups import abort, pgstate, registry
 from ..groups.opcall import OpCall
-from ..store import job
+from ..store import board, job
 from ..store.job import JOB
-from . import polled
 from .work import run_handler_unwaited
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         st.mark_dead(reason)
         # The peers in the op would otherwise wait for it until their deadline, and then blame a
         # timeout: ring them (bounded, so that the KeyboardInterrupt is not held up).
-        board.announce(st, op, seq, "interrupted")
+        board.announce(st.seat(), op, seq, "interrupted")
         # Ctrl-C: every op in flight on the group ends, wherever torch waits for it (DDP's backward
         # included), and the group is dead. The KeyboardInterrupt itself is Python's: its handler
         # runs as soon as the main thread is back in Python, a moment later (raising one here too
@@ -140,10 +139,9 @@ def _remote(call: OpCall, info: dict[str, Any]) -> BaseException:
     if peer.get("state") == "aborted":
         # The ringer's op failed under it (a peer closed the group): not a timeout of its own. It
         # rang before it knew who closed it; the report it collects says (a dead rank never posts).
-        rep = board.report(
-            st, op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0, rung=True
-        )
-        cause, why = board.peer_closed_verdict(rep, began)
+        budget = deadline - start if math.isfinite(deadline) else 1.0
+        rep = board.report(st.seat(), op, seq, "aborted", budget, rung=True)
+        cause, why = verdict.peer_closed_verdict(rep, began)
         if cause is None and rep is not None and rep.missing:
             return _aborted(pg, st, op, f"{why} (seen by {who} in {what})")
         return _aborted(
@@ -157,7 +155,7 @@ def _remote(call: OpCall, info: dict[str, Any]) -> BaseException:
     # rank's timer fired first.
     own_also = peer.get("state") == "timed_out" and current_time() >= deadline - _SAME_MOMENT
     if (peer.get("op") == op and peer.get("seq") == seq and not late) or own_also:
-        err = timed_out(call, f"{who} timed out first{ring.gil_note(peer)}", rung_by=who)
+        err = timed_out(call, f"{who} timed out first{verdict.gil_note(peer)}", rung_by=who)
         _run_handler(err, info["waiter"])
         return err
     verb = "timed out in" if peer.get("state") == "timed_out" else "failed in"
@@ -165,7 +163,7 @@ def _remote(call: OpCall, info: dict[str, Any]) -> BaseException:
         pg,
         st,
         op,
-        f"{who} {verb} {what}{ring.gil_note(peer)} and aborted group {st.name!r} "
+        f"{who} {verb} {what}{verdict.gil_note(peer)} and aborted group {st.name!r} "
         f"while this rank was in {op} #{seq}",
     )
 
@@ -198,12 +196,15 @@ def _aborted(pg: Any, st: GroupState, op: str, reason: str) -> GroupAbortedError
     return st.aborted(op, reason)
 
 
-def _die(pg: Any, st: GroupState, reason: str, if_abort_hangs: BaseException) -> None:
-    """Marks the group dead and, on NCCL, starts aborting its communicators (in the background,
-    bounded: ``if_abort_hangs`` goes to the timeout handler when the abort does not return)."""
-    st.mark_dead(reason)
-    if st.polled:
-        polled.abort_group(pg, st.is_default, if_abort_hangs)
+def _die(
+    pg: Any, st: GroupState, reason: str, if_abort_hangs: BaseException | None, abandoned: Any = None
+) -> None:
+    """Marks the group dead (``abandoned``: see :meth:`GroupState.mark_dead`) and, on NCCL,
+    starts aborting its communicators (in the background, bounded: ``if_abort_hangs`` goes to
+    the timeout handler when the abort does not return)."""
+    st.mark_dead(reason, abandoned=abandoned)
+    if st.polled and if_abort_hangs is not None:
+        abort.abort_group(pg, st.is_default, if_abort_hangs)
 
 
 def _run_handler(err: BaseException, waiter: bool) -> None:
@@ -234,15 +235,14 @@ def timed_out(
     rang this rank first: its report is read, not gathered again."""
     st = call.st
     who = rung_by or f"rank {st.my_global_rank}"
-    st.mark_dead(f"{call.name} timed out on {who}", abandoned=abandoned)
-    if st.polled:
-        hung = verdict.timeout_error(call, None, "aborting the communicators hung")
-        polled.abort_group(call.pg, st.is_default, hung)
-    window = call.deadline - call.start if math.isfinite(call.deadline) else 1.0
+    hung = verdict.timeout_error(call, None, "aborting the communicators hung") if st.polled else None
+    _die(call.pg, st, f"{call.name} timed out on {who}", hung, abandoned)
+    seat = st.seat()
+    budget = call.deadline - call.start if math.isfinite(call.deadline) else 1.0
     if rung_by is not None:
-        rep = board.report(st, call.op, call.seq, "aborted", window, rung=True)
+        rep = board.report(seat, call.op, call.seq, "aborted", budget, rung=True)
     else:
-        rep = board.report(st, call.op, call.seq, "timed_out", window)
+        rep = board.report(seat, call.op, call.seq, "timed_out", budget)
         if rep is None and JOB.failure is not None:
             cause = JOB.store_gone_reason()
     if late:

@@ -10,7 +10,7 @@ wrapped backend in place, so the objects holding the group train on.
 
 The C++ side numbers and watches every op; when one expires or fails, it asks
 :func:`fastdist.ops.fault.build`, once per fault, for the exception every waiter of the group
-raises: the who-is-missing report (fastdist.diagnostics.board) made into a
+raises: the who-is-missing report (fastdist.store.board) made into a
 :class:`CollectiveTimeoutError` or :class:`GroupAbortedError`.
 """
 

@@ -17,19 +17,16 @@ the backend its own timeout are built by :func:`backend_options`.
 from __future__ import annotations
 
 import abc
-import contextlib
 import datetime
 import logging
 import math
-import os
-import sys
 import threading
 import time
 import weakref
 from typing import Any, Callable, NoReturn
 
 from .._native import _core, _watched
-from ..deadlines import current_time, engine, run_timeout_handler
+from ..deadlines import current_time, engine, exit_process, run_timeout_handler
 from ..diagnostics import verdict
 from ..errors import CollectiveTimeoutError
 
@@ -151,23 +148,6 @@ def run_handler_unwaited(err: BaseException) -> None:
         exit_process(exc.code)
     except BaseException as exc:  # noqa: BLE001 - reported, as an exception in __del__ is
         _watched.write_unraisable(exc, run_timeout_handler)
-
-
-def exit_process(code: object) -> None:
-    """Ends the process from any thread with ``sys.exit``'s meaning of ``code``. ``sys.exit``
-    in a thread other than the main one would end only that thread."""
-    if code is None:
-        status = 0
-    elif isinstance(code, int):
-        status = code
-    else:
-        print(code, file=sys.stderr)
-        status = 1
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # exiting anyway: a stream that cannot flush is left
-            stream.flush()
-    os._exit(status)
 
 
 class Work(abc.ABC):

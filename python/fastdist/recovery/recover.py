@@ -41,11 +41,10 @@ from ..deadlines import (
     fail_at,
     get_default_timeout,
 )
-from ..diagnostics import board, events, listener
+from ..diagnostics import events, listener
 from ..errors import FastdistError, RecoveryError
-from ..groups import pgstate, registry
-from ..ops import polled
-from ..store import job, keys, keywait
+from ..groups import abort, pgstate, registry
+from ..store import board, job, keys, keywait
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded, stuck
 from ..store.job import JOB
 from . import joining, reconcile, state_sync, world, wrappers
@@ -262,7 +261,7 @@ def _recover(
     if len(members) == st.size and registry.is_watched(pg):
         # Everyone came back: rebuild in place, under the same ProcessGroup objects that DDP,
         # FSDP2, DeviceMesh and user code hold.
-        if not polled.wait_aborts():
+        if not abort.wait_aborts():
             logger.warning(
                 "rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway",
                 me,
@@ -298,7 +297,7 @@ def _recover(
         return pg
     if st.dead_reason is None:
         st.mark_dead("replaced by fastdist.recover()", level=logging.INFO)
-    if not polled.wait_aborts():
+    if not abort.wait_aborts():
         logger.warning(
             "rank %d: torch is still aborting the communicators of a timed-out group; rebuilding anyway", me
         )

@@ -29,12 +29,12 @@ def key(*parts: object) -> str:
 
 
 def inbox(global_rank: int) -> str:
-    """The store queue a rank is rung through (fastdist.diagnostics.ring)."""
+    """The store queue a rank is rung through (fastdist.store.ring)."""
     return key("inbox", global_rank)
 
 
 def board(group: str, generation: int) -> str:
-    """The prefix of a group generation's report keys (fastdist.diagnostics.board)."""
+    """The prefix of a group generation's report keys (fastdist.store.board)."""
     return key("diag", group, generation)
 
 

@@ -50,8 +50,7 @@ from torch.distributed.elastic.multiprocessing import start_processes
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from ..diagnostics import ring
-from ..store import job, keys
+from ..store import job, keys, ring
 from . import nodes
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..deadlines import engine, run_timeout_handler
-from .work import exit_process
+from ..deadlines import engine, exit_process, run_timeout_handler
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,10 @@ record: it writes the summary (ranks as ranges, each distinct stack once) that e
 waits on, so every rank that times out gets the same report: no circular blame. The window is
 min(1 s, 10% of the timeout) plus 5 ms per level of the ring tree, and ends early once every rank
 of the group has posted.
+
+The board is a protocol over the store, like the rendezvous beside it: it takes a :class:`Seat`
+(the rank's place in the group, as plain data) and knows nothing of torch's groups. The ranks'
+side of it, what they post and when, is fastdist.ops.fault's and fastdist.diagnostics.listener's.
 """
 
 from __future__ import annotations
@@ -35,17 +39,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..deadlines import current_time
-from ..groups import registry
-from ..store import keys, keywait
-from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded
-from ..store.job import JOB
-from . import ring
-
-if TYPE_CHECKING:
-    from ..groups.pgstate import GroupState
+from . import keys, keywait, ring
+from .bounded import GRACE_SECONDS, StoreUnanswered, bounded
+from .job import JOB
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +79,67 @@ class Report:
     straggler: str | None = None
 
 
+class Posts:
+    """The statuses a group's lineage has posted, as (generation, rank): once each, so that the
+    count of posting ranks is exact (a rank can both time out and be rung by a peer)."""
+
+    __slots__ = ("_done", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[tuple[int, int], None] = {}
+
+    def first(self, generation: int, rank: int) -> bool:
+        """Records a post of ``rank`` in ``generation``: True the first time, False after."""
+        with self._lock:
+            if (generation, rank) in self._done:
+                return False
+            self._done[generation, rank] = None
+            return True
+
+
+@dataclass(frozen=True)
+class Seat:
+    """One rank's place in a group's generation, as the board needs it: plain data, taken from
+    the group's state when a fault begins (``GroupState.seat``), so that the protocol below knows
+    the store and nothing of torch's groups (a simulation makes its own: bench/sim_report.py)."""
+
+    store: Any
+    group: str
+    generation: int
+    rank: int  # in the group
+    size: int
+    global_ranks: Sequence[int] | None = None  # group rank -> global rank; None: the same
+    posted: Posts = field(default_factory=Posts)  # the group's lineage's
+    # The backends that may have posted this rank's status from C++ (``native_posted``).
+    backends: Sequence[Any] = ()
+    children: Sequence[int] = ()  # this rank's children in the ring tree rooted at it
+    dead: frozenset[int] = frozenset()  # global ranks known dead, skipped for their children
+    waits: list[list[int]] = field(default_factory=list)  # see GroupState.waits
+
+    @property
+    def prefix(self) -> str:
+        return keys.board(self.group, self.generation)
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank if self.global_ranks is None else self.global_ranks[group_rank]
+
+    @property
+    def my_global_rank(self) -> int:
+        return self.global_rank(self.rank)
+
+    def status(self, op: str, seq: int, state: str, **more: Any) -> dict[str, Any]:
+        """This rank's status record: ``state`` in ``op`` #``seq`` now (``more``: its stack, ...)."""
+        return {
+            "rank": self.rank,
+            "op": op,
+            "seq": seq,
+            "state": state,
+            "t": time.time(),
+            "waits": self.waits,
+        } | more
+
+
 # Per level of the ring tree: the ring reaches the last of N ranks after about log2(N) hops.
 HOP_SECONDS = 0.005
 
@@ -92,53 +152,23 @@ def window(budget: float, size: int = 2) -> float:
     )
 
 
-def _prefix(st: GroupState) -> str:
-    return keys.board(st.name, st.generation)
+def _posted_natively(seat: Seat) -> bool:
+    return any(b.native_posted(seat.generation) for b in seat.backends)
 
 
-_posted_lock = threading.Lock()  # (see Lineage.posted)
-
-
-# How many of a rank's last completed ops its status carries (as [seq, microseconds waited]),
-# for the straggler hint: 16 pairs are about 200 bytes.
-WAITS_KEPT = 16
-
-
-def waits(st: GroupState) -> list[list[int]]:
-    """This rank's last completed ops on the group as ``[seq, microseconds from issue to end]``
-    pairs, from the watched backend's history ring (empty for a group fastdist does not watch)."""
-    try:
-        done = [r for r in st.history() if r["outcome"] == "ok" and r["end"] is not None]
-        recent = done[-WAITS_KEPT:]
-        return [[int(r["seq"]), round((float(r["end"]) - float(r["start"])) * 1e6)] for r in recent]
-    except Exception as exc:  # noqa: BLE001 - a hint must never cost the report itself
-        logger.debug("fastdist: no waits for the straggler hint: %r", exc)
-        return []
-
-
-def _posted_natively(st: GroupState) -> bool:
-    pg = st.ref()
-    return pg is not None and any(b.native_posted(st.generation) for b in registry.backends_of(pg))
-
-
-def post_status(st: GroupState, record: dict[str, Any], store: Any = None) -> bool:
+def post_status(seat: Seat, record: dict[str, Any]) -> bool:
     """Appends this rank's status record to the group's board, once per generation: one append
     and one add. True when this rank's post completed the board (every rank of the group has now
     posted) and this rank closed it: then it alone reads the board and publishes the summary
     (:func:`publish`). False otherwise, and when this rank had posted already."""
-    posted, key = st.lineage.posted, (st.generation, st.rank)
-    with _posted_lock:
-        if key in posted:
-            return False
-        posted.add(key)
-    if _posted_natively(st):  # C++ posted it at the deadline, while Python could not run
+    if not seat.posted.first(seat.generation, seat.rank):
         return False
-    store = st.store if store is None else store
-    prefix = _prefix(st)
-    store.append(f"{prefix}/status", json.dumps(record) + "\n")
-    if store.add(f"{prefix}/count", 1) < st.size:
+    if _posted_natively(seat):  # C++ posted it at the deadline, while Python could not run
         return False
-    return _close(store, prefix, st.rank, "all")
+    seat.store.append(f"{seat.prefix}/status", json.dumps(record) + "\n")
+    if seat.store.add(f"{seat.prefix}/count", 1) < seat.size:
+        return False
+    return _close(seat, "all")
 
 
 def _claimed_in_cpp(claim: bytes, me: dict[str, Any]) -> bool:
@@ -154,55 +184,102 @@ def _claimed_in_cpp(claim: bytes, me: dict[str, Any]) -> bool:
 _CLAIM_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "op": str, "seq": int, "state": str}
 
 
-def _ring_missed(st: GroupState, store: Any, prefix: str, status: dict[str, Any]) -> None:
-    """The ringer, halfway through its window: rings the ranks its ring did not reach (see
-    fastdist.diagnostics.ring.ring_missed), unless the board is closed already."""
-    if not store.check([f"{prefix}/complete"]):
-        ring.ring_missed(st, status, posted_ranks(st, store, prefix))
+def _ring_record(seat: Seat, status: dict[str, Any]) -> str:
+    return json.dumps(
+        {
+            "kind": "fault",
+            "group": seat.group,
+            "gen": seat.generation,
+            "root": seat.rank,
+            "rank": seat.my_global_rank,
+            "op": status["op"],
+            "seq": status["seq"],
+            "state": status["state"],
+            "t": status["t"],
+            **({"dead": status["dead"], "dead_ranks": status["dead_ranks"]} if status.get("dead") else {}),
+        }
+    )
 
 
-def posted_ranks(st: GroupState, store: Any, prefix: str) -> set[int]:
-    """The group ranks whose status is on the board under ``prefix`` (one read of it)."""
-    if not store.check([f"{prefix}/status"]):
+def ring_group(seat: Seat, status: dict[str, Any]) -> None:
+    """Rings the group: this rank reported its fault first (``status``: its record), and pushes
+    it to its children in the ring tree rooted at it (``seat.children``)."""
+    record = _ring_record(seat, status)
+    try:
+        for child in seat.children:
+            ring.deliver(seat.store, child, record)
+    except RuntimeError as exc:  # a store without queues (FileStore): the others find out at their deadline
+        logger.debug("fastdist: could not ring the group: %r", exc)
+
+
+def ring_missed(seat: Seat, status: dict[str, Any], posted: set[int]) -> int:
+    """Rings again, directly, each rank that has not posted (``posted``: group ranks) and whose
+    parent in the tree has not either: a parent that died unannounced (a whole node lost) holds
+    its subtree's ring, which would otherwise learn of the fault only at its own deadline (and
+    be named dead in the report). Called by the ringer halfway through its report's window;
+    returns how many it rang."""
+    record = _ring_record(seat, status)
+    dead = ring.dead_of(status)
+    rung = 0
+    for pos in range(1, seat.size):
+        rank = (seat.rank + pos) % seat.size
+        parent = (seat.rank + ring.parent_position(pos, seat.size)) % seat.size
+        if rank in posted or parent in posted or seat.global_rank(rank) in dead:
+            continue
+        ring.deliver(seat.store, seat.global_rank(rank), record)
+        rung += 1
+    return rung
+
+
+def _ring_missed_unless_closed(seat: Seat, status: dict[str, Any]) -> None:
+    """The ringer, halfway through its window: rings the ranks its ring did not reach
+    (:func:`ring_missed`), unless the board is closed already."""
+    if not seat.store.check([f"{seat.prefix}/complete"]):
+        ring_missed(seat, status, posted_ranks(seat))
+
+
+def posted_ranks(seat: Seat) -> set[int]:
+    """The group ranks whose status is on the board (one read of it)."""
+    if not seat.store.check([f"{seat.prefix}/status"]):
         return set()
-    return set(_records(st, bytes(store.get(f"{prefix}/status")))[0])
+    return set(_records(seat.size, bytes(seat.store.get(f"{seat.prefix}/status")))[0])
 
 
-def _close(store: Any, prefix: str, rank: int, why: str) -> bool:
-    """Closes the board under ``prefix``: True for the one rank whose close won (its token is
-    its own, so that a close that lost never reads as won)."""
-    token = f"{why}:{rank}"
-    return bytes(store.compare_set(f"{prefix}/complete", "", token)) == token.encode()
+def _close(seat: Seat, why: str) -> bool:
+    """Closes the board: True for the one rank whose close won (its token is its own, so that a
+    close that lost never reads as won)."""
+    token = f"{why}:{seat.rank}"
+    return bytes(seat.store.compare_set(f"{seat.prefix}/complete", "", token)) == token.encode()
 
 
-def publish(st: GroupState, store: Any, prefix: str | None = None) -> dict[str, Any]:
+def publish(seat: Seat) -> dict[str, Any]:
     """Reads the closed board (the one read of every record, by the one rank that closed it),
-    writes its summary to the key every other reporter waits on, and returns it. ``prefix``:
-    the board's, fixed when the fault began (default: the group's current generation's)."""
-    prefix = _prefix(st) if prefix is None else prefix
-    summary = summarize(st, bytes(store.get(f"{prefix}/status")))
+    writes its summary to the key every other reporter waits on, and returns it."""
+    summary = summarize(seat, bytes(seat.store.get(f"{seat.prefix}/status")))
     mine = json.dumps(summary, separators=(",", ":"))
     # The first summary written stays (a rank that took over from a slow closer, below, and the
     # closer may both write one): every rank gets the same report.
-    stored = bytes(store.compare_set(f"{prefix}/summary", "", mine))
+    stored = bytes(seat.store.compare_set(f"{seat.prefix}/summary", "", mine))
     if stored != mine.encode():
-        first = parse_summary(stored, st.size)
+        first = parse_summary(stored, seat.size)
         return summary if first is None else first
     return summary
 
 
-def _read_summary(st: GroupState, store: Any, prefix: str, raw: bytes | None = None) -> dict[str, Any]:
+def _read_summary(seat: Seat, raw: bytes | None = None) -> dict[str, Any]:
     """The published summary (``raw``: as read already, else read now) or, when it is not
     fastdist's, the records themselves."""
-    summary = parse_summary(bytes(store.get(f"{prefix}/summary")) if raw is None else raw, st.size)
+    summary = parse_summary(
+        bytes(seat.store.get(f"{seat.prefix}/summary")) if raw is None else raw, seat.size
+    )
     if summary is not None:
         return summary
     logger.warning(
         "rank %d: the report's summary in the store is not fastdist's (is something else using it?): "
         "reading the records themselves",
-        st.my_global_rank,
+        seat.my_global_rank,
     )
-    return summarize(st, bytes(store.get(f"{prefix}/status")))
+    return summarize(seat, bytes(seat.store.get(f"{seat.prefix}/status")))
 
 
 # How long a reporter waits for the summary past its own window: the closer reads every record
@@ -217,39 +294,28 @@ TAKER_TURNS = 3
 ANNOUNCE_SECONDS = 0.2
 
 
-def announce(
-    st: GroupState,
-    op: str,
-    seq: int,
-    state: str,
-    dead: str | None = None,
-    dead_ranks: list[int] | None = None,
-) -> None:
+def announce(seat: Seat, op: str, seq: int, state: str, dead: str | None = None) -> None:
     """Claims the group's fault for this rank (``state``: why it left ``op`` #``seq``; ``dead``:
-    which peers are known dead, and how) and rings the other ranks, without waiting for their
-    answers; bounded by ANNOUNCE_SECONDS."""
-    store = st.store
-    if store is None or st.size <= 1:
+    which peers are known dead, and how: ``seat`` was taken skipping them in the ring) and rings
+    the other ranks, without waiting for their answers; bounded by ANNOUNCE_SECONDS."""
+    if seat.store is None or seat.size <= 1:
         return
-    prefix = _prefix(st)
-    me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time(), "waits": waits(st)}
-    if dead:
-        me["dead"] = dead
-        me["dead_ranks"] = sorted(dead_ranks or [])
+    more = {"dead": dead, "dead_ranks": sorted(seat.dead)} if dead else {}
+    me = seat.status(op, seq, state, **more)
 
     def work(_abandoned: threading.Event) -> None:
         mine = json.dumps(me)
-        if store.compare_set(f"{prefix}/fault", "", mine) == mine.encode():
-            ring.ring(st, me)
+        if seat.store.compare_set(f"{seat.prefix}/fault", "", mine) == mine.encode():
+            ring_group(seat, me)
 
     try:
         bounded(work, ANNOUNCE_SECONDS, "ringing the group")
     except (RuntimeError, StoreUnanswered) as exc:
-        logger.warning("rank %d: could not ring group %r: %r", st.my_global_rank, st.name, exc)
+        logger.warning("rank %d: could not ring group %r: %r", seat.my_global_rank, seat.group, exc)
 
 
 def report(
-    st: GroupState,
+    seat: Seat,
     op: str,
     seq: int,
     state: str,
@@ -261,15 +327,15 @@ def report(
     group's other ranks if no one has yet, and collects everyone's status for the window after
     now, or after ``until`` (a ``time.monotonic()`` value) when given. ``None`` when the group has
     no store or the store cannot be reached. ``rung``: this rank learnt of the fault from a peer
-    (fastdist.diagnostics.listener) and has posted already; it closes the board only a while after its own
-    window ends, in case its ringer died."""
-    store = st.store
-    if store is None or st.size <= 1:
-        return Report() if st.size <= 1 else None
-    prefix = _prefix(st)
-    me = {"rank": st.rank, "op": op, "seq": seq, "state": state, "t": time.time(), "waits": waits(st)}
+    (fastdist.diagnostics.listener) and has posted already; it closes the board only a while after
+    its own window ends, in case its ringer died."""
+    store = seat.store
+    if store is None or seat.size <= 1:
+        return Report() if seat.size <= 1 else None
+    prefix = seat.prefix
+    me = seat.status(op, seq, state)
     later = max(0.0, (until or 0.0) - time.monotonic())
-    span = later + window(budget, st.size)
+    span = later + window(budget, seat.size)
 
     def work(_abandoned: threading.Event) -> dict[str, Any]:  # (late posts to a closed board are harmless)
         mine = json.dumps(me)
@@ -277,11 +343,11 @@ def report(
         claim = None if rung else bytes(store.compare_set(f"{prefix}/fault", "", mine))
         if claim is not None and (claim == mine.encode() or _claimed_in_cpp(claim, me)):
             if claim == mine.encode():
-                ring.ring(st, me)  # the first to report: every other live rank learns it now
+                ring_group(seat, me)  # the first to report: every other live rank learns it now
             # Halfway through the window, once more to the ranks whose ring parent is silent.
             again = keywait.at_deadline(
                 current_time() + span / 2,
-                lambda: _ring_missed(st, store, prefix, me),
+                lambda: _ring_missed_unless_closed(seat, me),
                 "ringing the ranks the ring missed",
             )
         try:
@@ -291,8 +357,8 @@ def report(
                 again.cancel()
 
     def collect(_abandoned: threading.Event) -> dict[str, Any]:
-        if post_status(st, me):  # this rank's post completed the board: it summarizes
-            return publish(st, store, prefix)
+        if post_status(seat, me):  # this rank's post completed the board: it summarizes
+            return publish(seat)
         # Until everyone posted or the window closes: whichever reporter's window ends first
         # closes the board for all and publishes the summary that the others wait on. A rung
         # rank closes only later (its ringer, whose window ended first, is closing it), in case
@@ -304,15 +370,15 @@ def report(
         def close() -> None:
             # This generation's board: a closer that runs late (this rank was stopped, say) must
             # not close the board of the generation recover() has moved the group to since.
-            if _close(store, prefix, st.rank, "deadline"):
-                published.append(publish(st, store, prefix))
+            if _close(seat, "deadline"):
+                published.append(publish(seat))
 
         close_at = end + (SUMMARY_SECONDS / 2 if rung else 0.0)
         raw = keywait.get_key(store, f"{prefix}/summary", end + SUMMARY_SECONDS, close, close_at)
         if raw is not None:
             if published:  # (else read it: the closer may not have appended it yet)
                 return published[0]
-            return _read_summary(st, store, prefix, raw)
+            return _read_summary(seat, raw)
         # No summary yet: its writer is slow (the store is busy: every rank posted at once) or
         # died after closing the board. One rank at a time takes its place, reads the records
         # once and publishes; the others go on waiting on the key. Every rank reading the
@@ -321,14 +387,14 @@ def report(
         turn = 0
         while not _abandoned.is_set():
             turn += 1
-            token = str(st.rank)
+            token = str(seat.rank)
             if turn <= TAKER_TURNS and bytes(store.compare_set(f"{prefix}/taker/{turn}", "", token)) == (
                 token.encode()
             ):
-                return publish(st, store, prefix)
+                return publish(seat)
             if keywait.wait_key(store, f"{prefix}/summary", current_time() + SUMMARY_SECONDS):
-                return _read_summary(st, store, prefix)
-        return summarize(st, b"")  # (given up on: the caller has moved on)
+                return _read_summary(seat)
+        return summarize(seat, b"")  # (given up on: the caller has moved on)
 
     try:
         # A store cut off by the network would hold this rank here for minutes: bounded.
@@ -336,42 +402,42 @@ def report(
     except Exception as exc:  # noqa: BLE001 - a dead store must not turn a timeout into another failure
         JOB.note_store_failure(exc)
         logger.warning(
-            "rank %d: could not assemble the report for %s #%d: %s", st.my_global_rank, op, seq, JOB.failure
+            "rank %d: could not assemble the report for %s #%d: %s", seat.my_global_rank, op, seq, JOB.failure
         )
         return None
     if summary["invalid"]:
         logger.warning(
             "rank %d: ignored %d invalid status record(s) in the store (is something else using it?)",
-            st.my_global_rank,
+            seat.my_global_rank,
             summary["invalid"],
         )
-    return _judge(st, op, seq, summary)
+    return _judge(seat, op, seq, summary)
 
 
 # A frame is "file:line in function"; a stranger's record could make one of any length.
 _MAX_FRAME_CHARS = 200
 
 
-def _records(st: GroupState, raw: bytes) -> tuple[dict[int, dict[str, Any]], int]:
+def _records(size: int, raw: bytes) -> tuple[dict[int, dict[str, Any]], int]:
     """The board's valid status records (``raw``: one JSON status per line) by rank, the first of
     each rank's, and how many lines were not fastdist's."""
     records: dict[int, dict[str, Any]] = {}
     invalid = 0
     for line in raw.decode(errors="replace").splitlines():
         rec: dict[str, Any] | None = keys.parse_record(line, _STATUS_FIELDS)
-        if rec is None or rec["state"] not in _STATES or not 0 <= rec["rank"] < st.size:
+        if rec is None or rec["state"] not in _STATES or not 0 <= rec["rank"] < size:
             invalid += 1  # not fastdist's: see the README's Security section
             continue
         records.setdefault(rec["rank"], rec)
     return records, invalid
 
 
-def summarize(st: GroupState, raw: bytes) -> dict[str, Any]:
+def summarize(seat: Seat, raw: bytes) -> dict[str, Any]:
     """The board's records (``raw``: one JSON status per line), summarized so that its size
     depends on how many kinds of answer there were, not on how many ranks gave them: the ranks
     of each ``(op, seq, state)`` as ranges, each distinct stack once with its ranks, the two
     earliest timeouts, the straggler hint, and how many records were not fastdist's."""
-    records, invalid = _records(st, raw)
+    records, invalid = _records(seat.size, raw)
     classes: dict[tuple[str, int, str], list[int]] = {}
     stacks: dict[tuple[str, ...], list[int]] = {}
     timeouts: list[tuple[float, int]] = []
@@ -388,7 +454,7 @@ def summarize(st: GroupState, raw: bytes) -> dict[str, Any]:
         "classes": [[o, s, state, _ranges(rs)] for (o, s, state), rs in classes.items()],
         "stacks": [[list(frames), _ranges(rs)] for frames, rs in stacks.items()],
         "first_timeouts": [[t, r] for t, r in sorted(timeouts)[:2]],
-        "straggler": straggler({st.global_rank(r): rec.get("waits") for r, rec in records.items()}),
+        "straggler": straggler({seat.global_rank(r): rec.get("waits") for r, rec in records.items()}),
         "invalid": invalid,
     }
 
@@ -456,17 +522,17 @@ def parse_summary(raw: bytes, size: int) -> dict[str, Any] | None:
     return s if ok else None
 
 
-def _globals(st: GroupState, ranks: Sequence[int]) -> list[int]:
+def _globals(seat: Seat, ranks: Sequence[int]) -> list[int]:
     """Group ranks as global ranks (a C-speed copy for the default group)."""
-    table = getattr(st, "global_ranks", None)
+    table = seat.global_ranks
     return list(ranks) if table is None else [table[r] for r in ranks]
 
 
-def _judge(st: GroupState, op: str, seq: int, summary: dict[str, Any]) -> Report:
+def _judge(seat: Seat, op: str, seq: int, summary: dict[str, Any]) -> Report:
     """This rank's report from the group's summary: the same for every rank in the same op.
     Built from ranges (no per-rank work in Python beyond the lists the report holds)."""
     out = Report()
-    me = st.my_global_rank
+    me = seat.my_global_rank
     posted: list[list[int]] = []
     absent: list[range] = []  # alive but in no op on the group: never arrived
     timed_out: list[int] = []
@@ -478,19 +544,19 @@ def _judge(st: GroupState, op: str, seq: int, summary: dict[str, Any]) -> Report
                 absent.append(ranks)
                 continue
             if (rop, rseq) != (op, seq):
-                out.desynced.update(dict.fromkeys(_globals(st, ranks), f"{rop} #{rseq}"))
+                out.desynced.update(dict.fromkeys(_globals(seat, ranks), f"{rop} #{rseq}"))
             if state == "timed_out":
-                timed_out += _globals(st, ranks)
-    absent += _gaps(posted, st.size)  # posted nothing in the window: did not answer
+                timed_out += _globals(seat, ranks)
+    absent += _gaps(posted, seat.size)  # posted nothing in the window: did not answer
     missing = sorted(r for ranks in absent for r in ranks)
-    out.missing = [g for g in _globals(st, missing) if g != me]
+    out.missing = [g for g in _globals(seat, missing) if g != me]
     out.desynced.pop(me, None)
     out.timed_out = sorted(g for g in timed_out if g != me)
     for frames, ranges in summary["stacks"]:
         for a, b in ranges:
-            out.stacks.update(dict.fromkeys(_globals(st, range(a, b + 1)), frames))
+            out.stacks.update(dict.fromkeys(_globals(seat, range(a, b + 1)), frames))
     out.stacks.pop(me, None)
-    firsts = [float(t) for t, r in summary["first_timeouts"] if st.global_rank(r) != me]
+    firsts = [float(t) for t, r in summary["first_timeouts"] if seat.global_rank(r) != me]
     out.first_timeout_wall = firsts[0] if firsts else None
     out.straggler = summary["straggler"]
     return out
@@ -555,29 +621,3 @@ def straggler(posted: dict[int, Any]) -> str | None:
         f"rank {rank} arrived last in {count} of the last {len(common)} ops every answering rank "
         "completed: it is a straggler (slow data loading, a slower device or host, or more work)"
     )
-
-
-def peer_closed_verdict(rep: Report | None, started_wall: float) -> tuple[str | None, str]:
-    """What a report says about a group a peer closed under this rank's op (started at
-    ``started_wall``, a time.time()): ``(cause, "")`` when a peer timed out while this rank was in
-    the op (then this is a timeout too), else ``(None, why)``: this rank arrived after a peer had
-    timed out and aborted (a straggler), or peers exited or were killed."""
-    if (
-        rep is not None
-        and rep.timed_out
-        and rep.first_timeout_wall is not None
-        and rep.first_timeout_wall > started_wall
-    ):
-        return f"rank {min(rep.timed_out)} timed out first and closed the group", ""
-    if rep is not None and rep.timed_out:
-        return None, f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
-    if rep is not None and rep.missing:
-        many = len(rep.missing) > 1
-        return (
-            None,
-            (
-                f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or "
-                f"{'were' if many else 'was'} killed"
-            ),
-        )
-    return None, "a peer exited or was killed"
