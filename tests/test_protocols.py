@@ -370,3 +370,28 @@ def test_a_rank_rung_twice_for_one_fault_acts_once() -> None:
         raw = json.dumps({**fault, "state": "timed_out", "t": t}).encode()
         listener._handle(dist.HashStore(), json.loads(raw), raw)
     assert len(listener._handled) == before + 1
+
+
+def test_the_seat_of_a_group_torch_made_asks_its_private_backends_whether_cpp_posted() -> None:
+    """A rank whose Python could not run at its deadline has its status posted from C++ by the
+    backend its native report is armed on; its report must then not post a second time (the
+    count would close the board one rank early). On a group torch made, that backend is one of
+    fastdist's private ones, which torch's group does not list as watched."""
+    import datetime
+
+    from fastdist._native import watched_backends
+
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    st = pgstate.state_of(pg)
+    assert st.watched is None and st.own and watched_backends(pg) == []
+    seat = st.seat()
+    assert list(seat.backends) == list(st.own.values()) == st.reporting_backends()
+
+    class Posted:  # a backend whose native report posted this generation's status
+        def native_posted(self, generation: int) -> bool:
+            return generation == 0
+
+    store = dist.HashStore()
+    posted = board.Seat(store, "n", 0, 0, 2, backends=[Posted()])
+    assert not board.post_status(posted, posted.status("barrier", 1, "timed_out"))
+    assert not store.check([f"{posted.prefix}/status"])  # nothing posted a second time
