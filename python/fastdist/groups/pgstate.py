@@ -149,8 +149,8 @@ class GroupState:
     @classmethod
     def without_group(cls, store: Any, rank: int, size: int, name: str) -> GroupState:
         """The state of a group with no torch group behind it (no ops, so no history), for a
-        simulation of the store protocols: the report and the recovery agreement at scale
-        (bench/sim_report.py) and their tests (tests/test_protocols.py)."""
+        simulation of the recovery agreement at scale (bench/sim_report.py) and its tests
+        (tests/test_protocols.py). (The board needs less: a :class:`fastdist.store.board.Seat`.)"""
         st = cls.__new__(cls)
         st.ref = lambda: None
         st.name, st.rank, st.size, st.global_ranks, st.store = name, rank, size, None, store
