@@ -226,10 +226,10 @@ def reset_fsdp() -> int:
     # with a warning (torch's deprecated torch.distributed.reduce_op).
     roots = [m for m in gc.get_objects() if issubclass(type(m), FSDPModule) and _fsdp_is_root(m)]
     for m in roots:
-        if not hasattr(m, "reset_iter_state"):  # torch before 2.11: reshard what can be
-            m.reshard()
-            continue
         if not _fsdp_ran(m):  # never ran a step (a joiner's new model): nothing to reset
+            continue
+        if not hasattr(m, "reset_iter_state"):  # torch before 2.13 has no such hook
+            _reset_iter_state(m._get_fsdp_state())
             continue
         try:
             m.reset_iter_state()
@@ -240,6 +240,63 @@ def reset_fsdp() -> int:
                     group._all_gather_result = None
             m.reset_iter_state()
     return len(roots)
+
+
+def _reset_iter_state(root: Any) -> None:
+    """torch 2.13's ``FSDPState._reset_iter_state`` (torch/distributed/fsdp/_fully_shard/
+    _fsdp_state.py and ``FSDPParamGroup._reset_iter_state``), for a torch without it (2.11, 2.12):
+    waits on the failed step's collective events, forgets its gradients, and reshards *every*
+    parameter group of the tree, then clears the iteration's trackers. (A non-recursive
+    ``reshard()`` on the root, what was here before, left the inner modules unsharded and the
+    model silently wrong.) Attributes are read where they exist: 2.11 keeps one reduce-scatter
+    state where 2.13 keeps a list."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    stream = root._device_handle.current_stream()
+    comm = root._comm_ctx
+
+    def wait_event(event: Any) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    if (ag := getattr(comm, "all_gather_state", None)) is not None:
+        wait_event(ag.event)
+        comm.all_gather_state = None
+    for rs in list(getattr(comm, "reduce_scatter_states", [])) + [
+        getattr(comm, "reduce_scatter_state", None)
+    ]:
+        if rs is not None:
+            wait_event(rs.event)
+    if hasattr(comm, "reduce_scatter_states"):
+        comm.reduce_scatter_states.clear()
+    if hasattr(comm, "reduce_scatter_state"):
+        comm.reduce_scatter_state = None
+    for event in getattr(comm, "_last_post_reduce_events", {}).values():
+        wait_event(event)
+    getattr(comm, "_last_post_reduce_events", {}).clear()
+    comm.post_forward_order.clear()
+    for state in root._state_ctx.all_states:
+        state._modules_to_run_forward.clear()
+        state._training_state = TrainingState.IDLE
+        for group in state._fsdp_param_groups:
+            result = group._all_gather_result
+            if result is not None:  # the failed step's all-gather: its fault is known, not waited
+                wait_event(getattr(result, "all_gather_event", None))
+                group._all_gather_result = None
+            wait_event(group._post_reduce_event)
+            group._post_reduce_event = None
+            if group._all_reduce_state is not None:
+                wait_event(group._all_reduce_state.event)
+            group._all_reduce_state = None
+            if group._reshard_after_forward_event is not None:
+                group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
+                group._reshard_after_forward_event = None
+            group._partial_reduce_output = None
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    root._state_ctx.iter_forward_root = None
+    root._state_ctx.post_backward_final_callback_queued = False
 
 
 def _fsdp_ran(module: Any) -> bool:
