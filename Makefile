@@ -38,6 +38,8 @@ check: setup
 # Two workers: most of the suite's time is spent waiting for deadlines and processes.
 test: check
 	scripts/install-test-deps
+	# The tests' CPU double of NCCL (tests/doubles): built against this torch before the tests.
+	$(PY) -c "import sys; sys.path.insert(0, 'tests'); import fake_nccl"
 	$(PY) -m pytest -n 2 --dist worksteal --durations=25
 
 # The benchmarks (about 9 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.

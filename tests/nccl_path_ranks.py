@@ -141,7 +141,7 @@ def nccl_double_contract(ctx) -> None:
     stuck = raw.allreduce([t], dist.AllreduceOptions())
     raw.abort()
     # An aborted communicator's op reads as completed, with no error (WorkNCCL after ncclCommAbort).
-    ctx.record("double_aborted", completed=stuck.is_completed(), error=stuck.exception() is None)
+    ctx.record("double_aborted", completed=stuck.is_completed(), error=not fake_nccl.has_error(stuck))
 
     fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1)
     fake_nccl.configure(delay=0.3)
@@ -164,7 +164,41 @@ def nccl_double_contract(ctx) -> None:
     fastdist.recover(timeout=5)
     w = dist.all_reduce(t, async_op=True)
     # The group aborted before recovery: none of the new group's ops is taken for cut short.
-    ctx.record("after_recovery", ok=w.wait(), error=w.exception() is None)
+    ctx.record("after_recovery", ok=w.wait(), error=not fake_nccl.has_error(w))
+
+
+def torch_side_abort(ctx) -> None:
+    """ProcessGroupNCCL's own watchdog, not fastdist, aborts a communicator (its timeout, 1 s, as a
+    user's pg_options may set it, is shorter than the op's 6 s deadline): its error lands on the
+    watchdog's copy of the work, and the op the caller waits on reads as completed with no error.
+    fastdist must fail it all the same. Then recover() while the old backend's destructor waits
+    out the watchdog's 20 s dump sleep, and the rebuilt group keeps the group's timeout (30 s),
+    not what was left of recover()'s budget."""
+    import fake_nccl
+
+    fake_nccl.register()
+    fake_nccl.watchdog_timeout = 1.0
+    fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1, timeout=30)
+    fake_nccl.watchdog_timeout = None
+    t = torch.ones(1)
+    fastdist.all_reduce(t, timeout=5)
+    fake_nccl.configure(delay=math.inf, dump_sleep=20.0)
+    t0 = time.monotonic()
+    try:
+        with fastdist.fail_after(6):
+            dist.all_reduce(t)  # synchronous: torch waits on fastdist's work
+        ctx.record("taken_for_success", elapsed=time.monotonic() - t0)
+    except fastdist.FastdistError as e:
+        ctx.record("failed", elapsed=time.monotonic() - t0, kind=type(e).__name__, message=str(e))
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    ctx.record("torch_error", error=backend.inner.get_error())
+    fake_nccl.configure(delay=0.0, dump_sleep=20.0)
+    t0 = time.monotonic()
+    fastdist.recover(timeout=5)
+    elapsed = time.monotonic() - t0
+    t = torch.tensor([3.0])
+    fastdist.all_reduce(t, timeout=5)
+    ctx.record("recovered", elapsed=elapsed, value=t.item(), timeout=backend.inner.timeout)
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:

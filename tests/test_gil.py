@@ -123,6 +123,7 @@ def test_when_python_runs_the_timeout_is_rung_from_cpp_without_the_gil_note() ->
     past a 0.3 s deadline, on a group fastdist does not know (its builder makes no report)."""
     import datetime
 
+    import fake_nccl
     import torch
     import torch.distributed as dist
     from fastdist._native import _watched
@@ -133,15 +134,16 @@ def test_when_python_runs_the_timeout_is_rung_from_cpp_without_the_gil_note() ->
     watching.install()
     store = dist.HashStore()
     gloo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
-    b = _watched.WatchedBackend(_watched.NcclDouble(gloo), "rung-early", 0.3, True)
+    double = fake_nccl.NcclDouble(gloo)
+    b = _watched.WatchedBackend(double, "rung-early", 0.3, True, double._fastdist_stream_marker)
     children = [keys.inbox(1), keys.inbox(2)]
     b.set_native_report(store, "rung-early", 0, 0, 0, "fault", "status", "count", children)
-    _watched.NcclDouble.configure(delay=2.0)
+    fake_nccl.configure(delay=2.0)
     try:
         with pytest.raises(GroupAbortedError):
             b.allreduce([torch.ones(1)]).wait()
     finally:
-        _watched.NcclDouble.configure(delay=0.0)
+        fake_nccl.configure(delay=0.0)
     # Made when the builder took the GIL, on the thread that would have made the native report
     # (here the builder finds no group, so nothing else writes them).
     store.wait(["fault"], datetime.timedelta(seconds=10))

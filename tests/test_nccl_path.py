@@ -65,6 +65,28 @@ def test_the_nccl_double_follows_torchs_contract_and_torch_ops_are_bounded() -> 
     assert r.returncode == 0, info
 
 
+@pytest.mark.timeout(90)
+def test_an_op_torchs_own_watchdog_aborted_fails_and_recovery_does_not_wait_for_it() -> None:
+    # ProcessGroupNCCL's watchdog (its timeout, 1 s) aborts the communicator before
+    # fastdist's deadline (6 s): the error is set on the watchdog's copy of the work, the caller's
+    # reads as completed with no error. Without fastdist asking the backend's getError(), the
+    # all_reduce returned at ~1 s as a success, its result never computed.
+    results = run_ranks(nccl_path_ranks.torch_side_abort, 1, timeout=80)
+    info = describe(results)
+    r = results[0]
+    assert not r.has("taken_for_success"), info
+    failed = r.record("failed")
+    assert 0.9 <= failed["elapsed"] < 4.0, info  # at the watchdog's abort, not at the 6 s deadline
+    assert "watchdog" in failed["message"], info
+    # TIMEOUT (c10d::ErrorType 1), set by the double's watchdog; fastdist aborted nothing itself.
+    assert r.record("torch_error")["error"] == 1, info
+    rec = r.record("recovered")
+    # The old backend's destructor waits out the watchdog's 20 s dump: recover() does not.
+    assert rec["elapsed"] < 5.0 and rec["value"] == 3.0, info
+    assert rec["timeout"] == 30.0, info  # the group's timeout, not what was left of recover()'s
+    assert r.returncode == 0, info
+
+
 def assert_stalled_step_redone(results: list, tolerance: float) -> None:
     """What nccl_path_ranks.train_with_a_stall must show (tests/gpu asserts the same on a GPU)."""
     info = describe(results)

@@ -36,9 +36,11 @@ def test_ddp_step_in_fail_after_names_the_stopped_rank_and_trains_on_after_recov
 
 
 def test_ddp_on_the_polled_path_the_nccl_logic_on_gloo() -> None:
-    """The same DDP run with the group watched as NCCL groups are (completion polled, not taken
-    from the future; FASTDIST_TEST_POLLED=1): the deadline, report and recovery hold there too."""
-    results = run_ranks(watched_ranks.watched_ddp, 3, timeout=120, env={"FASTDIST_TEST_POLLED": "1"})
+    """The same DDP run on the CPU double of NCCL (FASTDIST_TEST_BACKEND=nccl_double: completion
+    polled, not taken from the future): the deadline, report and recovery hold there too."""
+    results = run_ranks(
+        watched_ranks.watched_ddp, 3, timeout=120, env={"FASTDIST_TEST_BACKEND": "nccl_double"}
+    )
     _check_training(results, describe(results))
 
 

@@ -86,10 +86,12 @@ def test_the_error_says_where_each_rank_is_and_the_others_raise_at_once(tmp_path
 
 
 def test_a_peer_fault_ends_ops_on_the_polled_path_too() -> None:
-    """The same on the NCCL path's logic (watched gloo groups polled for completion, as NCCL's
-    works are; FASTDIST_TEST_POLLED=1): rank 1, in another op with a 60 s deadline, raises with
-    rank 0, and rank 0's report says where rank 2 is."""
-    results = run_ranks(where_stuck_ranks.where_stuck, 3, timeout=90, env={"FASTDIST_TEST_POLLED": "1"})
+    """The same on the CPU double of NCCL (FASTDIST_TEST_BACKEND=nccl_double: completion polled,
+    as NCCL's works are): rank 1, in another op with a 60 s deadline, raises with rank 0, and
+    rank 0's report says where rank 2 is."""
+    results = run_ranks(
+        where_stuck_ranks.where_stuck, 3, timeout=90, env={"FASTDIST_TEST_BACKEND": "nccl_double"}
+    )
     info = describe(results)
     for r in results:
         assert r.returncode == 0 and r.has("recovered_b"), info

@@ -8,7 +8,6 @@
 #include <tuple>
 
 #include "../watched/internal.h"
-#include "../watched/nccl_double.h"
 #include "../watched/solo.h"
 #include "../watched/watched.h"
 
@@ -25,6 +24,17 @@ py::object& py_builder() {
 std::shared_ptr<Engine>& shared_engine() {
   static auto* e = new std::shared_ptr<Engine>();
   return *e;
+}
+
+// An NCCL-like backend's stream marker (StreamMarkerFn, watched.h): a capsule of that name, or None.
+StreamMarkerFn marker_arg(const py::object& capsule) {
+  if (capsule.is_none()) return nullptr;
+  if (!py::isinstance<py::capsule>(capsule)) throw py::type_error("stream_marker must be a capsule or None");
+  auto cap = py::reinterpret_borrow<py::capsule>(capsule);
+  if (std::string(cap.name() ? cap.name() : "") != kStreamMarkerCapsule) {
+    throw py::type_error(std::string("stream_marker must be a capsule named ") + kStreamMarkerCapsule);
+  }
+  return reinterpret_cast<StreamMarkerFn>(cap.get_pointer());
 }
 
 Nanos seconds_arg(double seconds, const char* name) {
@@ -154,25 +164,6 @@ PYBIND11_MODULE(_watched, m) {
            py::arg("rank"), py::arg("size"), py::arg("name"))
       .def("_set_sequence_number_for_group", [](SoloBackend&) {});
 
-  // The CPU double of ProcessGroupNCCL (nccl_double.h), for fastdist's tests: registered with
-  // torch.distributed.Backend.register_backend by tests/fake_nccl.py.
-  py::class_<NcclDouble, c10d::Backend, c10::intrusive_ptr<NcclDouble>> nccl_double(m, "NcclDouble", py::dynamic_attr());
-  nccl_double.attr("NAME") = NcclDouble::kName;
-  nccl_double
-      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& transport) {
-             return c10::make_intrusive<NcclDouble>(transport);
-           }),
-           py::arg("transport"))
-      .def_static(
-          "configure",
-          [](double delay, bool abort_hangs) {
-            if (std::isnan(delay) || delay < 0) throw py::value_error("delay must be >= 0 (inf: never)");
-            NcclDouble::delay().store(delay);
-            NcclDouble::abort_hangs().store(abort_hangs);
-          },
-          py::arg("delay") = 0.0, py::arg("abort_hangs") = false)
-      .def_static("aborts", [] { return NcclDouble::aborts().load(); });
-
   // One group's op numbers, history and dead state (watched.h): a watched backend's `ctl`, or
   // one made here for a group torch made, shared by the private WatchedBackends fastdist issues
   // its own ops on (`polled`: NCCL-like completion).
@@ -232,26 +223,31 @@ PYBIND11_MODULE(_watched, m) {
            });
 
   py::class_<WatchedBackend, c10d::Backend, c10::intrusive_ptr<WatchedBackend>>(m, "WatchedBackend")
+      // `stream_marker`: the capsule of an NCCL-like backend that is not ProcessGroupNCCL
+      // (StreamMarkerFn in watched.h), or None.
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& name, double default_timeout,
-                       bool polled) {
+                       bool polled, const py::object& stream_marker) {
              TORCH_CHECK(shared_engine(), "fastdist._watched.set_engine() was not called");
+             const StreamMarkerFn marker = marker_arg(stream_marker);
              auto ctl = std::make_shared<GroupCtl>(name, inner->getRank(), inner->getSize(),
-                                                   seconds_arg(default_timeout, "default_timeout"), polled,
-                                                   shared_engine());
-             auto b = c10::make_intrusive<WatchedBackend>(inner, std::move(ctl));
+                                                   seconds_arg(default_timeout, "default_timeout"),
+                                                   polled || marker != nullptr, shared_engine());
+             auto b = c10::make_intrusive<WatchedBackend>(inner, std::move(ctl), marker);
              register_backend(b);
              return b;
            }),
-           py::arg("inner"), py::arg("name"), py::arg("default_timeout"), py::arg("polled") = false)
+           py::arg("inner"), py::arg("name"), py::arg("default_timeout"), py::arg("polled") = false,
+           py::arg("stream_marker") = py::none())
       // A private wrapper of a group torch made (fastdist's own ops go through it), numbered,
       // bounded and reported by `ctl`, which its other devices' wrappers share.
-      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::shared_ptr<GroupCtl>& ctl) {
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::shared_ptr<GroupCtl>& ctl,
+                       const py::object& stream_marker) {
              TORCH_CHECK(ctl->engine, "the GroupCtl was made before fastdist._watched.set_engine()");
-             auto b = c10::make_intrusive<WatchedBackend>(inner, ctl);
+             auto b = c10::make_intrusive<WatchedBackend>(inner, ctl, marker_arg(stream_marker));
              register_backend(b);
              return b;
            }),
-           py::arg("inner"), py::arg("ctl"))
+           py::arg("inner"), py::arg("ctl"), py::arg("stream_marker") = py::none())
       .def_property_readonly("inner", &WatchedBackend::inner)
       .def("swap_inner", &WatchedBackend::swap_inner, py::arg("fresh"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("ctl_id", [](const WatchedBackend& b) { return b.ctl()->id(); })

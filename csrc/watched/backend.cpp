@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <thread>
 
 namespace fastdist::watched {
 
@@ -50,8 +51,10 @@ void keep_dead_backends() {
 // ---------------------------------------------------------------------------------------------
 // WatchedBackend
 
-WatchedBackend::WatchedBackend(c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<GroupCtl> ctl)
-    : c10d::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), ctl_(std::move(ctl)) {
+WatchedBackend::WatchedBackend(c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<GroupCtl> ctl,
+                               StreamMarkerFn marker)
+    : c10d::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), ctl_(std::move(ctl)),
+      marker_(marker) {
 #if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 3
   setBoundDeviceId(inner_->getBoundDeviceId());
 #endif
@@ -75,7 +78,40 @@ void WatchedBackend::swap_inner(c10::intrusive_ptr<c10d::Backend> fresh) {
     inner_.swap(fresh);
   }
   ctl_->revive();
-  // `fresh` now holds the old backend; it is dropped here, outside the lock.
+  // `fresh` now holds the old backend. Its destructor may join threads that sleep or wait for a
+  // peer (see watched.h): it runs on a thread of its own, never on recover()'s.
+  std::thread([old = std::move(fresh)]() mutable { old.reset(); }).detach();
+}
+
+bool WatchedBackend::inner_failed(std::string& why) {
+  c10d::ErrorType error = c10d::ErrorType::SUCCESS;
+  {
+    std::lock_guard<std::mutex> lk(inner_mu_);  // not copied out: the last reference stays here
+    try {
+      error = inner_->getError();
+    } catch (const std::exception&) {
+      return false;  // torch before 2.14: a backend without getError() throws (gloo)
+    }
+  }
+  switch (error) {
+    case c10d::ErrorType::SUCCESS:
+      return false;
+    case c10d::ErrorType::TIMEOUT:
+      why = "the backend's own watchdog timed it out (the group's timeout) and aborted the communicator";
+      break;
+    case c10d::ErrorType::COMM_ERROR:
+      why = "the backend met a communicator error and aborted the communicator";
+      break;
+    default:
+      why = "the backend reports a peer's error and aborted the communicator";
+      break;
+  }
+  return true;
+}
+
+c10d::ErrorType WatchedBackend::getError() {
+  std::lock_guard<std::mutex> lk(inner_mu_);
+  return inner_->getError();
 }
 
 Nanos WatchedBackend::deadline_for(Nanos now) {
@@ -96,8 +132,10 @@ void WatchedBackend::refuse_if_dead(const char* op) {
 }
 
 c10::intrusive_ptr<c10d::Work> WatchedBackend::watch(const char* op, c10d::OpType type, std::uint64_t seq, Nanos start,
-                                                     Nanos deadline, c10::intrusive_ptr<c10d::Work> inner) {
+                                                     Nanos deadline, c10::intrusive_ptr<c10d::Work> inner,
+                                                     c10::ArrayRef<at::Tensor> ins) {
   auto w = c10::make_intrusive<WatchedWork>(std::move(inner), ctl_, op, seq, start, deadline, type);
+  if (ctl_->polled) w->set_issuer(c10::intrusive_ptr<WatchedBackend>::reclaim_copy(this), device_of(ins, getBoundDeviceId()));
   w->arm();
   return w;
 }
@@ -106,7 +144,7 @@ template <typename Opts, typename Issue>
 c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue,
                                                    c10::ArrayRef<at::Tensor> ins) {
   refuse_if_dead(op);
-  if (ctl_->polled && capturing(ins)) {
+  if (ctl_->polled && capturing(ins, getBoundDeviceId())) {
     // A CUDA graph captures the op: it runs when the graph is replayed, which no backend sees,
     // and an event recorded in a capture cannot be queried. Issued as on plain NCCL, unwatched.
     Nanos unused;
@@ -157,12 +195,12 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
     // ProcessGroupNCCL hands back no work for a synchronous op (it ran on the caller's current
     // stream) nor for an empty or synchronous coalesced batch: the op is watched through an
     // event recorded on that stream now, so that it is bounded all the same.
-    if (!work) work = stream_marker(*inner, ins);
+    if (!work) work = marker_ ? c10::intrusive_ptr<c10d::Work>::reclaim(marker_(*inner)) : stream_marker(*inner, ins);
   } catch (...) {
     ctl_->rollback(seq);  // refused by the backend (bad arguments): nothing was sent
     throw;
   }
-  return watch(op, type, seq, now, deadline, std::move(work));
+  return watch(op, type, seq, now, deadline, std::move(work), ins);
 }
 
 template <typename Issue>

@@ -1,5 +1,5 @@
 // The c10d::Backend ops that each of fastdist's backends overrides (WatchedBackend, SoloBackend,
-// NcclDouble): the one list of their declarations, so that an op torch adds is added once.
+// and the tests' doubles): the one list of their declarations, so that an op torch adds is added once.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -39,12 +39,16 @@ std::exception_ptr check_signals();
 // work.cpp: ops abandoned at their deadline, still in flight in the backend.
 std::atomic<std::int64_t>& abandoned();
 
-// marker.cpp: where an NCCL-like backend hands back no work for an op (a synchronous one runs on
-// the caller's current stream), a work that completes once that stream ran it: an event recorded
-// there now (the CPU double: its own stand-in for one).
+// marker.cpp: where ProcessGroupNCCL hands back no work for an op (a synchronous one runs on the
+// caller's current stream), a work that completes once that stream ran it: a CUDA event recorded
+// there now. (Another NCCL-like backend brings its own: StreamMarkerFn in watched.h.)
 c10::intrusive_ptr<c10d::Work> stream_marker(c10d::Backend& inner, c10::ArrayRef<at::Tensor> ins);
-// Whether the current stream of the first CUDA tensor in `ins` is capturing a CUDA graph.
-bool capturing(c10::ArrayRef<at::Tensor> ins);
+// The device an op on `ins` runs on: its first non-CPU tensor's, else the backend's bound device
+// (`bound`); none for a CPU op.
+std::optional<c10::Device> device_of(c10::ArrayRef<at::Tensor> ins, std::optional<c10::Device> bound);
+// Whether the stream an op on `ins` is issued on (its device's current stream; for an op with no
+// CUDA tensor, the bound or current CUDA device's) is capturing a CUDA graph.
+bool capturing(c10::ArrayRef<at::Tensor> ins, std::optional<c10::Device> bound);
 // Sets the calling thread's CUDA graph capture mode to relaxed (where a CUDA runtime is loaded).
 void relax_capture_mode();
 

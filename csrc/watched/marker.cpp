@@ -5,7 +5,6 @@
 // event has. Also: whether the current stream is capturing a CUDA graph (nothing is watched
 // then), and the capture mode of fastdist's polling thread.
 #include "internal.h"
-#include "nccl_double.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -38,12 +37,12 @@ class EventMarker : public c10d::Work {
   std::vector<at::Tensor> tensors_;
 };
 
-c10::Device device_of(c10::ArrayRef<at::Tensor> ins) {
-  for (const auto& t : ins) {
-    if (t.defined() && !t.is_cpu()) return t.device();
-  }
-  // A barrier, or an op with no input: the device CUDA uses on this thread.
+// The CUDA device this thread uses now; none where no GPU is there (a CUDA build of torch on a
+// CPU machine, or a CPU build).
+std::optional<c10::Device> current_cuda_device() {
+  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return std::nullopt;
   c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  if (impl.deviceCount() == 0) return std::nullopt;
   return impl.getDevice();
 }
 
@@ -63,17 +62,13 @@ void* cudart_symbol(const char* name) {
 }
 
 // torch before 2.13 has no isStreamCapturing: the CUDA runtime is asked itself, with the stream's
-// handle from c10's CUDAStream::stream() (c10::cuda::CUDAStream holds just its c10::Stream, so a
-// c10::Stream stands for one as `this`).
+// handle (c10::Stream::native_handle(): a cudaStream_t for a CUDA stream).
 bool runtime_capturing(const c10::Stream& s) {
-  using ToHandle = void* (*)(const c10::Stream*);
   using IsCapturing = int (*)(void*, int*);
-  static auto to_handle =
-      reinterpret_cast<ToHandle>(loaded_symbol("_ZNK3c104cuda10CUDAStream6streamEv", {"libc10_cuda.so"}));
   static auto is_capturing = reinterpret_cast<IsCapturing>(cudart_symbol("cudaStreamIsCapturing"));
-  if (!to_handle || !is_capturing) return false;
+  if (!is_capturing) return false;
   int status = 0;  // cudaStreamCaptureStatusNone
-  return is_capturing(to_handle(&s), &status) == 0 && status != 0;
+  return is_capturing(s.native_handle(), &status) == 0 && status != 0;
 }
 
 // torch 2.13 asks the device's guard whether a stream captures (isStreamCapturing); an older one
@@ -89,18 +84,31 @@ bool stream_capturing(const Impl&, const c10::Stream& s, long) {
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> stream_marker(c10d::Backend& inner, c10::ArrayRef<at::Tensor> ins) {
-  if (auto* d = dynamic_cast<NcclDouble*>(&inner)) return d->current_stream_marker();
-  return c10::make_intrusive<EventMarker>(inner.getRank(), device_of(ins), ins.vec());
+std::optional<c10::Device> device_of(c10::ArrayRef<at::Tensor> ins, std::optional<c10::Device> bound) {
+  for (const auto& t : ins) {
+    if (t.defined() && !t.is_cpu()) return t.device();
+  }
+  if (bound && !bound->is_cpu()) return bound;
+  return std::nullopt;
 }
 
-bool capturing(c10::ArrayRef<at::Tensor> ins) {
-  for (const auto& t : ins) {
-    if (!t.defined() || !t.is_cuda()) continue;
-    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-    return stream_capturing(*impl, impl->getStream(t.device()), 0);
-  }
-  return false;
+c10::intrusive_ptr<c10d::Work> stream_marker(c10d::Backend& inner, c10::ArrayRef<at::Tensor> ins) {
+  // A barrier, or an op with no input: the device CUDA uses on this thread.
+  auto device = device_of(ins, inner.getBoundDeviceId());
+  if (!device) device = current_cuda_device();
+  TORCH_CHECK(device, "fastdist: ", inner.getBackendName(),
+              " handed back no work for an op and no CUDA device is there to record an event on");
+  return c10::make_intrusive<EventMarker>(inner.getRank(), *device, ins.vec());
+}
+
+bool capturing(c10::ArrayRef<at::Tensor> ins, std::optional<c10::Device> bound) {
+  // An op with no CUDA tensor (a barrier, endCoalescing) is captured when the stream it would be
+  // issued on is: the bound device's, else the current device's (where a GPU is there at all).
+  auto device = device_of(ins, bound);
+  if (!device) device = current_cuda_device();
+  if (!device || device->type() != c10::DeviceType::CUDA) return false;
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return stream_capturing(*impl, impl->getStream(*device), 0);
 }
 
 void relax_capture_mode() {

@@ -1,6 +1,8 @@
 // Poller (NCCL-like groups): completes the works nobody waits on, off any Python thread.
 #include "internal.h"
 
+#include <c10/core/DeviceGuard.h>
+
 #include <chrono>
 #include <thread>
 
@@ -43,6 +45,10 @@ struct Poller {
       std::vector<c10::intrusive_ptr<WatchedWork>> left;
       bool progress = false;
       for (auto& w : batch) {
+        // The op's device current while its event is queried, as torch's watchdog does (its
+        // CUDAGuard): a query with no device set would open a context on GPU 0 in every process
+        // of an 8-GPU node.
+        c10::OptionalDeviceGuard guard(w->device());
         if (w->poll_inner()) {
           progress = true;
         } else {

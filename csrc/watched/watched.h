@@ -34,6 +34,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -56,7 +57,19 @@ Nanos scope_deadline();
 void set_main_thread(unsigned long ident);
 
 class WatchedWork;
+class WatchedBackend;
 class GilProbe;
+
+// How a backend that completes its ops as ProcessGroupNCCL does (a work's future completes at
+// enqueue; completion is told only by isCompleted(); a synchronous op hands back no work, having
+// run on the caller's current stream), without being torch's ProcessGroupNCCL, tells fastdist so:
+// its Python object has an attribute `_fastdist_stream_marker`, a capsule named
+// kStreamMarkerCapsule holding a StreamMarkerFn. Its groups are then polled, and where it hands
+// back no work the function gives the work that stands for an event on the caller's current
+// stream (a new reference, released from its intrusive_ptr). Nothing else of such a backend is
+// known here. (ProcessGroupNCCL needs none of this: fastdist records a CUDA event itself.)
+using StreamMarkerFn = c10d::Work* (*)(c10d::Backend& backend);
+constexpr const char* kStreamMarkerCapsule = "fastdist.stream_marker";
 
 // What kind of fault an op met; Python sees the same enum (fastdist._watched.FaultKind).
 enum class FaultKind : std::uint8_t {
@@ -260,6 +273,11 @@ class WatchedWork : public c10d::Work {
  public:
   WatchedWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<GroupCtl> ctl, const char* op, std::uint64_t seq,
               Nanos start, Nanos deadline, c10d::OpType type);
+  // Polled works: the backend that issued the op (asked whether it failed the op behind the
+  // work's back, see poll_inner) and the device the op runs on (the poller queries its end event
+  // with that device current, as torch's watchdog does).
+  void set_issuer(const c10::intrusive_ptr<WatchedBackend>& backend, std::optional<c10::Device> device);
+  std::optional<c10::Device> device() const { return device_; }
   ~WatchedWork() override;
   void release_resources() override;
 
@@ -310,6 +328,8 @@ class WatchedWork : public c10d::Work {
 
   c10::intrusive_ptr<c10d::Work> inner_;
   std::shared_ptr<GroupCtl> ctl_;
+  c10::weak_intrusive_ptr<c10d::Backend> issuer_;  // a WatchedBackend (null until set_issuer)
+  std::optional<c10::Device> device_;
   const char* op_;
   const std::uint64_t seq_;
   const Nanos start_;
@@ -331,11 +351,20 @@ class WatchedWork : public c10d::Work {
 
 class WatchedBackend : public c10d::Backend {
  public:
-  WatchedBackend(c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<GroupCtl> ctl);
+  WatchedBackend(c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<GroupCtl> ctl,
+                 StreamMarkerFn marker = nullptr);
 
   c10::intrusive_ptr<c10d::Backend> inner();
-  // Recovery: later ops go to `fresh`; the group is alive again.
+  // Recovery: later ops go to `fresh`; the group is alive again. The old backend is let go on a
+  // thread of its own: ProcessGroupNCCL's destructor joins its watchdog, which may be sleeping
+  // out a dump (60 s by default), and its heartbeat monitor; gloo's joins a worker still in an
+  // op. recover() must not wait for either.
   void swap_inner(c10::intrusive_ptr<c10d::Backend> fresh);
+  // Whether the inner backend failed its ops on its own (ProcessGroupNCCL's watchdog sets its
+  // error, then aborts the communicator, after which the op in flight reads as completed with
+  // no error): its getError(), where it has one.
+  bool inner_failed(std::string& why);
+  c10d::ErrorType getError() override;
   const std::shared_ptr<GroupCtl>& ctl() const { return ctl_; }
 
   const std::string getBackendName() const override;
@@ -366,13 +395,15 @@ class WatchedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> run_plain(const char* op, c10d::OpType type, Issue&& issue,
                                            c10::ArrayRef<at::Tensor> ins = {});
   c10::intrusive_ptr<c10d::Work> watch(const char* op, c10d::OpType type, std::uint64_t seq, Nanos start,
-                                       Nanos deadline, c10::intrusive_ptr<c10d::Work> inner);
+                                       Nanos deadline, c10::intrusive_ptr<c10d::Work> inner,
+                                       c10::ArrayRef<at::Tensor> ins);
   Nanos deadline_for(Nanos now);
   void refuse_if_dead(const char* op);
 
   std::mutex inner_mu_;
   c10::intrusive_ptr<c10d::Backend> inner_;
   std::shared_ptr<GroupCtl> ctl_;
+  const StreamMarkerFn marker_;
 };
 
 // Works that failed (at their deadline, or with their group) while their inner op was still in

@@ -23,7 +23,8 @@ std::int64_t abandoned_inflight() { return abandoned().load(); }
 
 WatchedWork::WatchedWork(c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<GroupCtl> ctl, const char* op,
                          std::uint64_t seq, Nanos start, Nanos deadline, c10d::OpType type)
-    : c10d::Work(ctl->rank, type), inner_(std::move(inner)), ctl_(std::move(ctl)), op_(op), seq_(seq), start_(start),
+    : c10d::Work(ctl->rank, type), inner_(std::move(inner)), ctl_(std::move(ctl)),
+      issuer_(c10::intrusive_ptr<c10d::Backend>()), op_(op), seq_(seq), start_(start),
       deadline_(deadline), thread_(static_cast<unsigned long>(pthread_self())) {
   try {
     inner_fut_ = inner_->getFuture();
@@ -58,6 +59,11 @@ void WatchedWork::complete_future(const c10::intrusive_ptr<c10::ivalue::Future>&
 }
 
 WatchedWork::~WatchedWork() = default;
+
+void WatchedWork::set_issuer(const c10::intrusive_ptr<WatchedBackend>& backend, std::optional<c10::Device> device) {
+  issuer_ = c10::weak_intrusive_ptr<c10d::Backend>(backend);
+  device_ = device;
+}
 
 void WatchedWork::release_resources() {
   ctl_->untrack(this);
@@ -248,9 +254,19 @@ bool WatchedWork::poll_inner() {
     // true); isSuccess() throws there, so the error is read from exception().
     completed = inner->isCompleted();
     if (completed) err = inner->exception();
-    if (completed && !err && ctl_->aborted()) {
-      // Cut short by an abort: an aborted communicator's ops read as completed, with no error.
-      err = plain_error(std::string(op_) + " #" + std::to_string(seq_) + " was cut short: the group's communicators were aborted");
+    if (completed && !err) {
+      // An aborted communicator's ops read as completed, with no error (WorkNCCL::isCompleted
+      // skips its error check once the communicator is aborted), whoever aborted it: fastdist
+      // (the group says so), or the backend itself. ProcessGroupNCCL's watchdog sets its error
+      // on its own copy of the work (workEnqueue copies it), not on this one, then aborts; what
+      // this work can still read is the backend's getError().
+      std::string why;
+      if (ctl_->aborted()) {
+        why = "the group's communicators were aborted";
+      } else if (auto issuer = issuer_.lock()) {
+        static_cast<WatchedBackend*>(issuer.get())->inner_failed(why);
+      }
+      if (!why.empty()) err = plain_error(std::string(op_) + " #" + std::to_string(seq_) + " was cut short: " + why);
     }
   } catch (...) {
     completed = true;

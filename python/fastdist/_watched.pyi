@@ -1,6 +1,6 @@
 """Stub for fastdist's watched-group module (csrc/watched/). Times are seconds on the engine clock."""
 
-from typing import Any, Callable, ClassVar, overload
+from typing import Any, Callable, overload
 
 from torch._C._distributed_c10d import Backend
 
@@ -55,21 +55,18 @@ class SoloBackend(Backend):
     def __init__(self, rank: int, size: int, name: str) -> None: ...
     def _set_sequence_number_for_group(self) -> None: ...
 
-class NcclDouble(Backend):
-    """The CPU double of ProcessGroupNCCL (csrc/watched/nccl_double.h), for tests."""
-
-    NAME: ClassVar[str]
-    def __init__(self, transport: Backend) -> None: ...
-    @staticmethod
-    def configure(delay: float = 0.0, abort_hangs: bool = False) -> None: ...
-    @staticmethod
-    def aborts() -> int: ...
-
 class WatchedBackend(Backend):
     @overload
-    def __init__(self, inner: Backend, name: str, default_timeout: float, polled: bool = False) -> None: ...
+    def __init__(
+        self,
+        inner: Backend,
+        name: str,
+        default_timeout: float,
+        polled: bool = False,
+        stream_marker: Any = None,
+    ) -> None: ...
     @overload
-    def __init__(self, inner: Backend, ctl: GroupCtl) -> None: ...
+    def __init__(self, inner: Backend, ctl: GroupCtl, stream_marker: Any = None) -> None: ...
     @property
     def inner(self) -> Backend: ...
     def swap_inner(self, fresh: Backend) -> None: ...

@@ -8,9 +8,10 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
-namespace fastdist::watched {
+namespace fastdist::testing {
 
 namespace {
 
@@ -34,6 +35,8 @@ bool async_of(const Opts&, long) {
   C10_THROW_ERROR(NotImplementedError, "WorkNCCL::isSuccess() is deprecated");
 }
 
+}  // namespace
+
 // How one gloo op ended, learnt without blocking anyone: from its future's callback, or, for a
 // point-to-point op (gloo gives it no future), on a thread of its own that waits for it.
 struct Moved {
@@ -49,6 +52,8 @@ struct Moved {
     done.store(true);
   }
 };
+
+namespace {
 
 std::shared_ptr<Moved> track(const c10::intrusive_ptr<c10d::Work>& work) {
   auto moved = std::make_shared<Moved>();
@@ -76,27 +81,77 @@ std::shared_ptr<Moved> track(const c10::intrusive_ptr<c10d::Work>& work) {
 
 }  // namespace
 
-// What the works of one communicator share: the data's transport, the stream's tail, and
-// whether the communicator was aborted.
+// One op on the "stream": it has run once the ops before it ran, gloo finished it, and DELAY
+// passed (the end event's query). Shared by the work the caller holds and the watchdog's copy.
+struct OpState {
+  std::vector<std::shared_ptr<Moved>> moved;
+  std::shared_ptr<OpState> prev;  // the op before it on the stream
+  double start = now_seconds();
+  std::mutex mu;
+  bool ran = false;
+  double ready_at = -1;
+
+  bool ran_now() {
+    std::shared_ptr<OpState> before;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (ran) return true;
+      before = prev;
+    }
+    if (before && !before->ran_now()) return false;
+    std::lock_guard<std::mutex> lk(mu);
+    prev.reset();  // ran: nothing to keep alive
+    for (const auto& m : moved) {
+      if (!m->done.load()) return false;
+    }
+    // A stalled "kernel" (delay) hides even an error: NCCL notices a dead peer only through
+    // its own checks, if ever (a kernel spins until the communicator is aborted).
+    if (ready_at < 0) {
+      const double d = NcclDouble::delay().load();
+      ready_at = std::isfinite(d) ? now_seconds() + d : std::numeric_limits<double>::infinity();
+    }
+    if (now_seconds() < ready_at) return false;
+    return ran = true;
+  }
+
+  std::exception_ptr error() {
+    for (const auto& m : moved) {
+      std::lock_guard<std::mutex> mlk(m->mu);
+      if (m->error) return m->error;
+    }
+    return nullptr;
+  }
+};
+
+// The watchdog's copy of a work (ProcessGroupNCCL keeps a copy of each WorkNCCL in its
+// workMetaList_): what the watchdog finds is set here, never on the caller's work.
+struct WatchCopy {
+  std::shared_ptr<OpState> state;
+  std::exception_ptr error;
+};
+
+// What the works of one communicator share: the data's transport, the stream's tail, whether the
+// communicator was aborted, and the watchdog's list.
 struct DoubleComm {
   c10::intrusive_ptr<c10d::Backend> transport;
   int rank = 0;
   std::atomic<bool> aborted{false};
   std::mutex mu;
-  c10::intrusive_ptr<c10d::Work> tail;  // the last op queued on the stream
+  std::shared_ptr<OpState> tail;  // the last op queued on the stream
   bool coalescing = false;
   std::vector<std::shared_ptr<Moved>> batch;
   std::vector<at::Tensor> batch_tensors;
+  std::mutex list_mu;  // workMetaListMutex_: held by enqueue, and by the watchdog through its dump
+  std::vector<WatchCopy> copies;
 };
 
 namespace {
 
 class DoubleWork : public c10d::Work {
  public:
-  DoubleWork(std::shared_ptr<DoubleComm> comm, c10d::OpType type, std::vector<std::shared_ptr<Moved>> moved,
-             std::vector<at::Tensor> result, c10::intrusive_ptr<c10d::Work> prev)
-      : c10d::Work(comm->rank, type), comm_(std::move(comm)), moved_(std::move(moved)), result_(std::move(result)),
-        prev_(std::move(prev)) {
+  DoubleWork(std::shared_ptr<DoubleComm> comm, c10d::OpType type, std::shared_ptr<OpState> state,
+             std::vector<at::Tensor> result)
+      : c10d::Work(comm->rank, type), comm_(std::move(comm)), state_(std::move(state)), result_(std::move(result)) {
     // Like WorkNCCL's: completed when the op is enqueued, with its output tensors.
     fut_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     fut_->markCompleted(c10::IValue(result_));
@@ -106,31 +161,12 @@ class DoubleWork : public c10d::Work {
   bool isCompleted() override {
     std::lock_guard<std::mutex> lk(mu_);
     if (done_) return true;
-    // Once the communicator is aborted its kernels exit, and WorkNCCL::isCompleted() skips its
-    // error check (`if (!ncclComm_->isAborted()) checkAndSetException();`): the op reads as
-    // completed, with no error.
+    // Once the communicator is aborted (by fastdist or by the watchdog) its kernels exit, and
+    // WorkNCCL::isCompleted() skips its error check (`if (!ncclComm_->isAborted())
+    // checkAndSetException();`): the op reads as completed, with no error.
     if (comm_->aborted.load()) return done_ = true;
-    if (prev_) {
-      if (!prev_->isCompleted()) return false;
-      prev_.reset();  // ran: nothing to keep alive
-    }
-    for (const auto& m : moved_) {
-      if (!m->done.load()) return false;
-    }
-    // A stalled "kernel" (delay) hides even an error: NCCL notices a dead peer only through
-    // its own checks, if ever (a kernel spins until the communicator is aborted).
-    if (ready_at_ < 0) {
-      const double d = NcclDouble::delay().load();
-      ready_at_ = std::isfinite(d) ? now_seconds() + d : std::numeric_limits<double>::infinity();
-    }
-    if (now_seconds() < ready_at_) return false;
-    for (const auto& m : moved_) {
-      std::lock_guard<std::mutex> mlk(m->mu);
-      if (m->error) {
-        error_ = m->error;  // an NCCL async error (a peer that died): completed, with the error
-        break;
-      }
-    }
+    if (!state_->ran_now()) return false;
+    error_ = state_->error();  // an NCCL async error (a peer that died): completed, with the error
     return done_ = true;
   }
 
@@ -155,13 +191,11 @@ class DoubleWork : public c10d::Work {
 
  private:
   std::shared_ptr<DoubleComm> comm_;
-  const std::vector<std::shared_ptr<Moved>> moved_;
+  std::shared_ptr<OpState> state_;
   const std::vector<at::Tensor> result_;
-  c10::intrusive_ptr<c10d::Work> prev_;
   c10::intrusive_ptr<c10::ivalue::Future> fut_;
   mutable std::mutex mu_;
   bool done_ = false;
-  double ready_at_ = -1;
   std::exception_ptr error_;
 };
 
@@ -169,14 +203,18 @@ class DoubleWork : public c10d::Work {
 // it after the op, complete once the stream's tail ran. Like a CUDA event, it has no future.
 class StreamMarker : public c10d::Work {
  public:
-  StreamMarker(int rank, c10::intrusive_ptr<c10d::Work> tail) : c10d::Work(rank), tail_(std::move(tail)) {}
-  bool isCompleted() override { return !tail_ || tail_->isCompleted(); }
+  StreamMarker(int rank, std::shared_ptr<DoubleComm> comm, std::shared_ptr<OpState> tail)
+      : c10d::Work(rank), comm_(std::move(comm)), tail_(std::move(tail)) {}
+  bool isCompleted() override { return !tail_ || comm_->aborted.load() || tail_->ran_now(); }
   bool isSuccess() const override { is_success_throws(); }
-  std::exception_ptr exception() const override { return tail_ ? tail_->exception() : nullptr; }
+  std::exception_ptr exception() const override {
+    return tail_ && !comm_->aborted.load() && tail_->ran_now() ? tail_->error() : nullptr;
+  }
   bool wait(std::chrono::milliseconds) override { return true; }
 
  private:
-  c10::intrusive_ptr<c10d::Work> tail_;
+  std::shared_ptr<DoubleComm> comm_;
+  std::shared_ptr<OpState> tail_;
 };
 
 }  // namespace
@@ -194,16 +232,66 @@ std::atomic<int>& NcclDouble::aborts() {
   return n;
 }
 
-NcclDouble::NcclDouble(c10::intrusive_ptr<c10d::Backend> transport)
-    : c10d::Backend(transport->getRank(), transport->getSize()), comm_(std::make_shared<DoubleComm>()) {
+std::atomic<double>& NcclDouble::dump_sleep() {
+  static std::atomic<double> d{60.0};  // 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15000)
+  return d;
+}
+
+NcclDouble::NcclDouble(c10::intrusive_ptr<c10d::Backend> transport, double timeout)
+    : c10d::Backend(transport->getRank(), transport->getSize()), comm_(std::make_shared<DoubleComm>()),
+      timeout_(timeout) {
   comm_->transport = std::move(transport);
   comm_->rank = rank_;
+  watchdog_ = std::thread([this] { watchdog(); });
 }
 
 NcclDouble::~NcclDouble() {
+  // ProcessGroupNCCL's destructor joins its watchdog (and heartbeat monitor): a watchdog sleeping
+  // out a dump holds the destructor that long.
+  stop_.store(true);
+  if (watchdog_.joinable()) watchdog_.join();
   // gloo's destructor joins its worker threads, which may still wait in an op of an aborted
   // communicator for a peer that never comes: that op's transport is kept, never destroyed.
   if (comm_->aborted.load()) new c10::intrusive_ptr<c10d::Backend>(std::move(comm_->transport));
+}
+
+c10d::ErrorType NcclDouble::getError() { return static_cast<c10d::ErrorType>(error_.load()); }
+
+void NcclDouble::watchdog() {
+  // Watchdog::runLoop: every 100 ms (kWatchdogThreadSleepMillis), each copy in the list.
+  while (!stop_.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::unique_lock<std::mutex> lk(comm_->list_mu);
+    if (comm_->aborted.load()) {
+      comm_->copies.clear();
+      continue;
+    }
+    c10d::ErrorType failed = c10d::ErrorType::SUCCESS;
+    for (auto it = comm_->copies.begin(); it != comm_->copies.end();) {
+      if (it->state->ran_now()) {
+        if (auto e = it->state->error()) {
+          it->error = e;  // on the copy
+          failed = c10d::ErrorType::COMM_ERROR;
+          break;
+        }
+        it = comm_->copies.erase(it);
+      } else if (now_seconds() - it->state->start > timeout_) {
+        it->error = std::make_exception_ptr(std::runtime_error("Watchdog caught collective operation timeout"));
+        failed = c10d::ErrorType::TIMEOUT;
+        break;
+      } else {
+        ++it;
+      }
+    }
+    if (failed == c10d::ErrorType::SUCCESS) continue;
+    int none = static_cast<int>(c10d::ErrorType::SUCCESS);
+    error_.compare_exchange_strong(none, static_cast<int>(failed));  // the first error stays
+    comm_->aborted.store(true);  // TORCH_NCCL_ASYNC_ERROR_HANDLING=2: abort the communicators
+    comm_->copies.clear();
+    // The dump: the watchdog sleeps, still holding the list's lock (no op can be enqueued).
+    const double sleep = dump_sleep().load();
+    if (sleep > 0) std::this_thread::sleep_for(std::chrono::duration<double>(sleep));
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> NcclDouble::enqueue(c10d::OpType type, c10::intrusive_ptr<c10d::Work> moved,
@@ -215,16 +303,26 @@ c10::intrusive_ptr<c10d::Work> NcclDouble::enqueue(c10d::OpType type, c10::intru
     comm_->batch_tensors.insert(comm_->batch_tensors.end(), result.begin(), result.end());
     return {};
   }
-  auto work = c10::make_intrusive<DoubleWork>(comm_, type, std::vector<std::shared_ptr<Moved>>{std::move(m)},
-                                              std::move(result), comm_->tail);
-  comm_->tail = work;
+  auto state = queue(std::vector<std::shared_ptr<Moved>>{std::move(m)});
+  auto work = c10::make_intrusive<DoubleWork>(comm_, type, std::move(state), std::move(result));
   if (!async_op) return {};  // ran on the current stream: no work (ProcessGroupNCCL, asyncOp false)
   return work;
 }
 
+std::shared_ptr<OpState> NcclDouble::queue(std::vector<std::shared_ptr<Moved>> moved) {
+  // (called with comm_->mu held) The op goes on the stream and into the watchdog's list.
+  auto state = std::make_shared<OpState>();
+  state->moved = std::move(moved);
+  state->prev = comm_->tail;
+  comm_->tail = state;
+  std::lock_guard<std::mutex> lk(comm_->list_mu);  // waits while the watchdog sleeps out a dump
+  comm_->copies.push_back(WatchCopy{state, nullptr});
+  return state;
+}
+
 c10::intrusive_ptr<c10d::Work> NcclDouble::current_stream_marker() {
   std::lock_guard<std::mutex> lk(comm_->mu);
-  return c10::make_intrusive<StreamMarker>(rank_, comm_->tail);
+  return c10::make_intrusive<StreamMarker>(rank_, comm_, comm_->tail);
 }
 
 void NcclDouble::startCoalescing() {
@@ -238,11 +336,11 @@ c10::intrusive_ptr<c10d::Work> NcclDouble::endCoalescing() {
   std::lock_guard<std::mutex> lk(comm_->mu);
   comm_->coalescing = false;
   if (comm_->batch.empty()) return {};  // nothing was issued: no work (as ProcessGroupNCCL)
-  auto work = c10::make_intrusive<DoubleWork>(comm_, c10d::OpType::COALESCED, std::move(comm_->batch),
-                                              std::move(comm_->batch_tensors), comm_->tail);
+  auto state = queue(std::move(comm_->batch));
+  auto work = c10::make_intrusive<DoubleWork>(comm_, c10d::OpType::COALESCED, std::move(state),
+                                              std::move(comm_->batch_tensors));
   comm_->batch.clear();
   comm_->batch_tensors.clear();
-  comm_->tail = work;
   return work;
 }
 
@@ -352,4 +450,4 @@ void NcclDouble::abort() {
   comm_->aborted.store(true);
 }
 
-}  // namespace fastdist::watched
+}  // namespace fastdist::testing

@@ -19,23 +19,37 @@
 //   ran only from the stream (current_stream_marker(): the double's CUDA event);
 // - after abort() (ncclCommAbort) every op reads as completed with no error (WorkNCCL skips its
 //   error check once the communicator is aborted); with abort_hangs, abort() never returns, like
-//   an ncclCommAbort stuck behind a kernel.
+//   an ncclCommAbort stuck behind a kernel;
+// - a watchdog of its own (ProcessGroupNCCL's Watchdog::runLoop, the same in 2.11 and 2.14.1), on
+//   a thread started with the backend, polls every op every 100 ms on its *own copies* of the
+//   works (workEnqueue's `workMetaList_.emplace_back(*work)`): an op older than the group's
+//   timeout (the creator's `timeout`), or one that met an error, has the error set on the copy
+//   only, the backend's getError() set (TIMEOUT or COMM_ERROR, the first one stays), and the
+//   communicator aborted (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, fastdist's mode): the work the
+//   caller holds then reads as completed, with no error. The watchdog then sleeps out the dump
+//   (4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC: dump_sleep, 60 s by default as in torch) holding the
+//   lock that enqueueing an op takes;
+// - the destructor joins the watchdog, so it waits out that sleep (ProcessGroupNCCL's joins its
+//   watchdog and heartbeat monitor).
 //
 // One stream per communicator: an op counts as run only once the ops issued before it did.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "c10d_ops.h"
+#include "watched/c10d_ops.h"
 
 #include <atomic>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
-namespace fastdist::watched {
+namespace fastdist::testing {
 
 struct DoubleComm;
+struct OpState;
+struct Moved;
 
 class NcclDouble : public c10d::Backend {
  public:
@@ -46,11 +60,16 @@ class NcclDouble : public c10d::Backend {
   // and whether abort() hangs.
   static std::atomic<double>& delay();
   static std::atomic<bool>& abort_hangs();
-  static std::atomic<int>& aborts();  // abort() calls so far
+  static std::atomic<double>& dump_sleep();  // seconds the watchdog sleeps after a failed op
+  static std::atomic<int>& aborts();  // abort() calls so far (fastdist's, not the watchdog's)
 
-  // `transport`: the gloo backend (of the same rank and size) that moves the data.
-  explicit NcclDouble(c10::intrusive_ptr<c10d::Backend> transport);
+  // `transport`: the gloo backend (of the same rank and size) that moves the data; `timeout`:
+  // the group's timeout, which the double's own watchdog enforces (seconds; inf: never).
+  NcclDouble(c10::intrusive_ptr<c10d::Backend> transport, double timeout);
   ~NcclDouble() override;
+
+  c10d::ErrorType getError() override;
+  double timeout() const { return timeout_; }  // the group's timeout its watchdog enforces
 
   const std::string getBackendName() const override { return kName; }
   bool supportsCoalescing() const override { return true; }
@@ -73,7 +92,14 @@ class NcclDouble : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, c10::intrusive_ptr<c10d::Work> moved,
                                          std::vector<at::Tensor> result, bool async_op);
 
+  void watchdog();
+  std::shared_ptr<OpState> queue(std::vector<std::shared_ptr<Moved>> moved);
+
   std::shared_ptr<DoubleComm> comm_;
+  const double timeout_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> error_{static_cast<int>(c10d::ErrorType::SUCCESS)};
+  std::thread watchdog_;
 };
 
-}  // namespace fastdist::watched
+}  // namespace fastdist::testing

@@ -36,8 +36,27 @@ logger = logging.getLogger(__name__)
 
 
 # Backend names (as dist.get_backend() gives them) whose works complete their future at enqueue,
-# so that completion must be polled (fastdist.groups.abort): NCCL.
-POLLED_BACKENDS = {"nccl", _watched.NcclDouble.NAME}
+# so that completion must be polled (fastdist.groups.abort): NCCL. Another backend says so itself
+# (stream_marker_of).
+POLLED_BACKENDS = {"nccl"}
+
+
+def stream_marker_of(backend: Any) -> Any | None:
+    """The capsule by which a backend that is NCCL-like without being torch's ProcessGroupNCCL says
+    so (csrc/watched/watched.h, ``StreamMarkerFn``: its ``_fastdist_stream_marker`` attribute), or
+    None."""
+    return getattr(backend, "_fastdist_stream_marker", None)
+
+
+def _says_polled(pg: Any) -> bool:
+    """Whether one of ``pg``'s backends is NCCL-like by its own word (a group torch made)."""
+    for device in ("cpu", "cuda"):
+        try:
+            if stream_marker_of(pg._get_backend(torch.device(device))) is not None:
+                return True
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return False
 
 
 def backend_name(pg: Any) -> str:
@@ -127,11 +146,15 @@ class GroupState:
         self.store: Any | None = _default_store() if self.global_ranks is not None else None
         self.backend = backend_name(pg)
         # NCCL-like: works must be polled for completion, and aborted at the deadline.
-        self.polled = self.backend in POLLED_BACKENDS
-        self.is_default = self.name == "default"
-        # The watched backend (fastdist._watched) when the group is watched: it numbers, bounds
-        # and reports every op itself.
         self.watched = watched_backend(pg)
+        self.polled = (
+            self.watched.polled
+            if self.watched is not None
+            else self.backend in POLLED_BACKENDS or _says_polled(pg)
+        )
+        self.is_default = self.name == "default"
+        # (self.watched: the watched backend (fastdist._watched) when the group is watched: it
+        # numbers, bounds and reports every op itself.)
         # The group's op numbers, history and dead state, kept in C++ by the same rules for every
         # group: its watched backend's, or, for a group torch made, one of its own, which the
         # private WatchedBackends that fastdist's own ops on it go through share (``own``: one per
@@ -355,7 +378,7 @@ def _own_backends(pg: Any, ctl: Any) -> dict[str, Any]:
     """A WatchedBackend around each of ``pg``'s own backends (one per device type), sharing
     ``ctl``; a raw backend passed as ``group=`` gets one around itself."""
     if isinstance(pg, _Backend):
-        return {"": _watched.WatchedBackend(pg, ctl)}
+        return {"": _watched.WatchedBackend(pg, ctl, stream_marker_of(pg))}
     try:
         types = list(pg._device_types) or [torch.device("cpu")]
     except (AttributeError, RuntimeError):
@@ -365,7 +388,8 @@ def _own_backends(pg: Any, ctl: Any) -> dict[str, Any]:
         if device.type in out:
             continue
         try:
-            out[device.type] = _watched.WatchedBackend(pg._get_backend(device), ctl)
+            backend = pg._get_backend(device)
+            out[device.type] = _watched.WatchedBackend(backend, ctl, stream_marker_of(backend))
         except (RuntimeError, TypeError) as exc:  # no backend for it, or one C++ cannot hold
             logger.debug("fastdist: group %r: no private backend for %s: %r", ctl.id, device, exc)
     return out

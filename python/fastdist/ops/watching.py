@@ -17,7 +17,6 @@ raises: the who-is-missing report (fastdist.store.board) made into a
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -59,9 +58,9 @@ def _register_backend(pg: Any, device: Any, backend_type: Any, backend: Any) -> 
 
 
 def _watches(backend_type: Any, backend: Any) -> bool:
-    """gloo and NCCL backends are watched, and a custom one of a polled kind (NCCL's CPU double:
-    pgstate.POLLED_BACKENDS names them)."""
-    return backend_type in _WATCHED_TYPES or backend.name() in pgstate.POLLED_BACKENDS
+    """gloo and NCCL backends are watched, and a custom one that says it is NCCL-like
+    (:func:`fastdist.groups.pgstate.stream_marker_of`)."""
+    return backend_type in _WATCHED_TYPES or pgstate.stream_marker_of(backend) is not None
 
 
 _WATCHED_TYPES = {ProcessGroup.BackendType.GLOO}
@@ -83,11 +82,11 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
         group_timeout = getattr(options, "timeout", None) or getattr(options, "_timeout", None)
         timeout = group_timeout.total_seconds() if group_timeout is not None else _user_timeout
     # NCCL completes a work's future at enqueue: its works are polled (work.is_completed(), the
-    # end event's query), and so are those of its CPU double (fastdist._watched.NcclDouble, which
-    # follows ProcessGroupNCCL's contract: tests/fake_nccl.py). FASTDIST_TEST_POLLED=1 watches
-    # gloo groups the same way.
-    is_polled = backend_type != ProcessGroup.BackendType.GLOO or os.environ.get("FASTDIST_TEST_POLLED") == "1"
-    wrapper = WatchedBackend(backend, "", float(timeout), is_polled)
+    # end event's query), and so are those of a backend that says it is NCCL-like (its stream
+    # marker: the tests' CPU double of NCCL, tests/fake_nccl.py).
+    marker = pgstate.stream_marker_of(backend)
+    is_polled = backend_type == getattr(ProcessGroup.BackendType, "NCCL", None) or marker is not None
+    wrapper = WatchedBackend(backend, "", float(timeout), is_polled, marker)
     per_pg[id(backend)] = wrapper
     registry.enroll(wrapper.ctl_id, pg, device)
     _arm_later(pg)
