@@ -368,12 +368,26 @@ NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_ERROR_HANDLING_MODE = "2"
 
 
+# What else torch's NCCL watchdog does after a failed op, in 2.11 to 2.14.1 (Watchdog::runLoop,
+# HeartbeatMonitor in ProcessGroupNCCL.cpp): it writes the dump signal and sleeps 4 x
+# TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (60 s) holding the lock that enqueueing an op takes, so every
+# op of the group and the group's destructor wait that long; and the heartbeat monitor of the first
+# group, told by that signal (unless TORCH_NCCL_DUMP_ON_TIMEOUT=0), ends the process 480 s later
+# with LOG(FATAL). fastdist reports the fault itself (who is missing, their stacks), so both are
+# turned off unless the user set them: a process fastdist rescued is neither stalled nor killed.
+NCCL_WATCHDOG_DEFAULTS = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0"}
+
+
 def configure_nccl_error_handling(backend: str | None) -> None:
     """Sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 for a backend that may be NCCL (``None`` lets torch
     pick NCCL on a GPU machine), so that torch's watchdog never kills a process after fastdist
-    aborted a timed-out collective. A value the user set is kept, with a warning if it differs."""
+    aborted a timed-out collective. A value the user set is kept, with a warning if it differs.
+    Also turns off the watchdog's dump, its sleep and the heartbeat monitor's kill that follow a
+    failed op (NCCL_WATCHDOG_DEFAULTS), where the user did not set them."""
     if backend is not None and "nccl" not in str(backend).lower():
         return
+    for name, value in NCCL_WATCHDOG_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     current = os.environ.get(NCCL_ERROR_HANDLING)
     if current is None or _injected_by_launcher(NCCL_ERROR_HANDLING):
         # torchrun puts TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down) into every worker unless the

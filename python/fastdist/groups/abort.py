@@ -126,6 +126,9 @@ def _abort(pg: Any, is_default: bool) -> None:
         backend = pg._get_backend(torch.device("cuda"))
     except (RuntimeError, AttributeError):
         backend = None
+    # torch's NCCL backend groups the aborts of several communicators (ncclGroupStart/End: one
+    # at a time they can deadlock, torch issue 119797); a watched group's is inside its wrapper.
+    backend = getattr(backend, "inner", backend)
     grouped = backend is not None and hasattr(backend, "_group_start")
     if grouped:
         backend._group_start()

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._native import _watched
 from ..deadlines import (
     TimeoutLike,
     current_time,
@@ -1023,10 +1022,18 @@ def _forget_connections(root: Any, st: pgstate.GroupState, backend: Any, gen: in
 
 
 def _fresh_backend(old: Any, store: Any, seconds: float, st: pgstate.GroupState) -> Any:
-    """A new backend of ``old``'s kind (gloo or NCCL) for the same rank and size."""
-    td = datetime.timedelta(seconds=seconds)
+    """A new backend of ``old``'s kind (gloo, NCCL, or a third-party backend registered with
+    ``torch.distributed.Backend.register_backend``) for the same rank and size.
+
+    gloo gets what is left of recover()'s budget (``seconds``) as its timeout: it bounds the
+    connections made here, and every op gets its own timeout from fastdist. An NCCL-like backend
+    keeps the group's own timeout (:func:`_group_timeout`): its watchdog enforces that timeout on
+    every op and aborts the communicator when it passes, after which the op in flight reads as
+    completed with no error; a timeout shorter than fastdist's deadlines would let torch's
+    watchdog act first."""
     inner = old.inner
     name = inner.name()
+    td = datetime.timedelta(seconds=seconds) if not old.polled else _group_timeout(inner)
     fresh: Any
     try:
         if name == "gloo":
@@ -1035,8 +1042,13 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: pgstate.GroupState)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = td
             fresh = dist.ProcessGroupNCCL(store, old.rank(), old.size(), opts)
-        elif name == _watched.NcclDouble.NAME:  # the CPU double of NCCL (tests), over gloo
-            fresh = _watched.NcclDouble(dist.ProcessGroupGloo(store, old.rank(), old.size(), td))
+        elif name.upper() in dist.Backend._plugins:  # a third-party backend: torch's own creator
+            plugin = dist.Backend._plugins[name.upper()]
+            if plugin.extended_api:
+                raise st.recovery_error(
+                    st.generation + 1, f"cannot rebuild a {name} backend (extended API) in place"
+                )
+            fresh = plugin.creator_fn(store, old.rank(), old.size(), td)
         else:
             raise st.recovery_error(st.generation + 1, f"cannot rebuild a {name} backend in place")
     except RuntimeError as exc:  # a member vanished while the connections were made
@@ -1049,6 +1061,19 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: pgstate.GroupState)
     except (RuntimeError, AttributeError):
         pass
     return fresh
+
+
+def _group_timeout(inner: Any) -> datetime.timedelta:
+    """The timeout the group was made with: the backend's own options (ProcessGroupNCCL's),
+    else the one given to fastdist.init_process_group, else torch's default for the backend."""
+    options = getattr(inner, "options", None)
+    timeout = getattr(options, "_timeout", None)
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(JOB.timeout, datetime.timedelta):
+        return JOB.timeout
+    nccl_default = getattr(dist.constants, "default_pg_nccl_timeout", None)
+    return nccl_default if nccl_default is not None else dist.constants.default_pg_timeout
 
 
 def rebuild_default(gen: int, rank: int, world_size: int) -> Any:
