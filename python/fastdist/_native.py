@@ -19,6 +19,20 @@ if torch.__version__ != TORCH_VERSION:
         "--force-reinstall --no-deps <fastdist source>, or make setup)"
     )
 
+# The torch releases fastdist is built and tested against (the compatibility lane,
+# scripts/compat-lane: 2.11 and 2.14; make test: 2.13). Each needs its own build.
+SUPPORTED_TORCH = ((2, 11), (2, 14))
+
+
+def torch_supported(version: str = torch.__version__) -> bool:
+    """Whether ``version`` (a torch version string) is one fastdist supports."""
+    try:
+        major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return SUPPORTED_TORCH[0] <= (major, minor) <= SUPPORTED_TORCH[1]
+
+
 if TYPE_CHECKING:  # typed by the stubs beside this file (_core.pyi, _watched.pyi)
     # The modules by their full names: "from . import" would read as an import of the package's
     # __init__, the top floor, from this bottom one.
@@ -28,7 +42,7 @@ else:  # extension modules: loaded by their full names
     _core = importlib.import_module("fastdist._core")
     _watched = importlib.import_module("fastdist._watched")
 
-__all__ = ["_core", "_watched", "hand_engine_over", "watched_backends"]
+__all__ = ["SUPPORTED_TORCH", "_core", "_watched", "hand_engine_over", "torch_supported", "watched_backends"]
 
 
 def watched_backends(pg: Any) -> list[Any]:

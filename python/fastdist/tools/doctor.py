@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="check an etcd store instead: etcd://HOST:PORT[,HOST:PORT...]/JOB_ID (each endpoint in turn)",
     )
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    parser.add_argument(
+        "--torch-only",
+        action="store_true",
+        help="only the checks of this machine (torch, gloo, NCCL): no store is reached",
+    )
 
 
 def run_checks(addr: str, port: int, world_size: int | None, rank: int | None, timeout: float) -> list[Check]:
@@ -269,12 +274,24 @@ def _local_checks() -> list[Check]:
     import torch
     import torch.distributed as dist
 
+    from .._native import SUPPORTED_TORCH, torch_supported
+
+    lo, hi = (".".join(map(str, v)) for v in SUPPORTED_TORCH)
     out = [
+        Check(
+            "torch",
+            torch_supported(),
+            f"torch {torch.__version__} ({'supported' if torch_supported() else 'not supported'}: "
+            f"fastdist supports {lo} to {hi})",
+            ""
+            if torch_supported()
+            else f"install a torch from {lo} to {hi}, then rebuild fastdist against it",
+        ),
         Check(
             "gloo",
             dist.is_gloo_available() or None,
             "gloo is usable here" if dist.is_gloo_available() else "gloo is not built into this torch",
-        )
+        ),
     ]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if dist.is_nccl_available() and gpus:
@@ -291,7 +308,9 @@ def _local_checks() -> list[Check]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.store:
+    if args.torch_only:
+        checks = _local_checks()
+    elif args.store:
         if not args.store.startswith("etcd://"):
             raise SystemExit(
                 f"fastdist doctor: --store takes etcd://HOST:PORT[,...]/JOB_ID, got {args.store!r}"
