@@ -75,9 +75,10 @@ def make(store, rank: int, world_size: int, timeout) -> NcclDouble:
     """A double over a gloo backend on ``store`` (torch's ProcessGroupGloo as torch.distributed
     resolves it), whose watchdog enforces ``timeout`` (a timedelta), as ProcessGroupNCCL's does."""
     seconds = timeout.total_seconds() if timeout is not None else math.inf
-    if watchdog_timeout is not None:
-        seconds = watchdog_timeout
-    return NcclDouble(dist.distributed_c10d.ProcessGroupGloo(store, rank, world_size, timeout), seconds)
+    watchdog = watchdog_timeout if watchdog_timeout is not None else seconds
+    return NcclDouble(
+        dist.distributed_c10d.ProcessGroupGloo(store, rank, world_size, timeout), watchdog, seconds
+    )
 
 
 def _create(store, rank, world_size, timeout):

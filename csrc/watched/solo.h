@@ -18,9 +18,13 @@ namespace fastdist::watched {
 
 class SoloBackend : public c10d::Backend {
  public:
-  SoloBackend(int rank, int size, std::string name) : c10d::Backend(rank, size), name_(std::move(name)) {}
+  SoloBackend(int rank, int size, std::string name)
+      : c10d::Backend(rank, size), name_(std::move(name)), options_(c10::make_intrusive<Options>(name_)) {}
 
   const std::string getBackendName() const override { return name_; }
+  // torch sets the group's name and ranks on a new backend's options (from 2.14, `options` is a
+  // property that reads this).
+  c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return 0; }
 
@@ -29,6 +33,7 @@ class SoloBackend : public c10d::Backend {
 
  private:
   const std::string name_;
+  c10::intrusive_ptr<Options> options_;
 };
 
 }  // namespace fastdist::watched

@@ -26,11 +26,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<NcclDouble, c10d::Backend, c10::intrusive_ptr<NcclDouble>> cls(m, "NcclDouble", py::dynamic_attr());
   cls.attr("NAME") = NcclDouble::kName;
   cls.attr("_fastdist_stream_marker") = py::capsule(reinterpret_cast<void*>(&stream_marker), "fastdist.stream_marker");
-  cls.def(py::init([](const c10::intrusive_ptr<c10d::Backend>& transport, double timeout) {
+  cls.def(py::init([](const c10::intrusive_ptr<c10d::Backend>& transport, double timeout, double group_timeout) {
             if (std::isnan(timeout) || timeout <= 0) throw py::value_error("timeout must be > 0 (inf: none)");
-            return c10::make_intrusive<NcclDouble>(transport, timeout);
+            if (std::isnan(group_timeout) || group_timeout <= 0) throw py::value_error("group_timeout must be > 0");
+            return c10::make_intrusive<NcclDouble>(transport, timeout, group_timeout);
           }),
-          py::arg("transport"), py::arg("timeout") = std::numeric_limits<double>::infinity())
+          py::arg("transport"), py::arg("timeout") = std::numeric_limits<double>::infinity(),
+          py::arg("group_timeout") = std::numeric_limits<double>::infinity())
       .def_static(
           "configure",
           [](double delay, bool abort_hangs, double dump_sleep) {

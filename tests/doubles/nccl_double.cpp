@@ -237,9 +237,12 @@ std::atomic<double>& NcclDouble::dump_sleep() {
   return d;
 }
 
-NcclDouble::NcclDouble(c10::intrusive_ptr<c10d::Backend> transport, double timeout)
+NcclDouble::NcclDouble(c10::intrusive_ptr<c10d::Backend> transport, double timeout, double group_timeout)
     : c10d::Backend(transport->getRank(), transport->getSize()), comm_(std::make_shared<DoubleComm>()),
-      timeout_(timeout) {
+      timeout_(timeout), options_(c10::make_intrusive<Options>(kName)) {
+  if (std::isfinite(group_timeout)) {
+    options_->timeout = std::chrono::milliseconds(static_cast<std::int64_t>(group_timeout * 1000.0));
+  }
   comm_->transport = std::move(transport);
   comm_->rank = rank_;
   watchdog_ = std::thread([this] { watchdog(); });

@@ -64,11 +64,13 @@ class NcclDouble : public c10d::Backend {
   static std::atomic<int>& aborts();  // abort() calls so far (fastdist's, not the watchdog's)
 
   // `transport`: the gloo backend (of the same rank and size) that moves the data; `timeout`:
-  // the group's timeout, which the double's own watchdog enforces (seconds; inf: never).
-  NcclDouble(c10::intrusive_ptr<c10d::Backend> transport, double timeout);
+  // what the double's own watchdog enforces (seconds; inf: never); `group_timeout`: the group's
+  // timeout its options report (as ProcessGroupNCCL's Options._timeout; usually the same).
+  NcclDouble(c10::intrusive_ptr<c10d::Backend> transport, double timeout, double group_timeout);
   ~NcclDouble() override;
 
   c10d::ErrorType getError() override;
+  c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
   double timeout() const { return timeout_; }  // the group's timeout its watchdog enforces
 
   const std::string getBackendName() const override { return kName; }
@@ -97,6 +99,7 @@ class NcclDouble : public c10d::Backend {
 
   std::shared_ptr<DoubleComm> comm_;
   const double timeout_;
+  c10::intrusive_ptr<Options> options_;
   std::atomic<bool> stop_{false};
   std::atomic<int> error_{static_cast<int>(c10d::ErrorType::SUCCESS)};
   std::thread watchdog_;

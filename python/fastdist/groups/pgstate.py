@@ -48,6 +48,15 @@ def stream_marker_of(backend: Any) -> Any | None:
     return getattr(backend, "_fastdist_stream_marker", None)
 
 
+def backend_options(backend: Any) -> Any | None:
+    """A backend's options (its ``options``), or None where it has none: from torch 2.14 the
+    property raises for a backend without getBackendOptions()."""
+    try:
+        return getattr(backend, "options", None)
+    except RuntimeError:
+        return None
+
+
 def _says_polled(pg: Any) -> bool:
     """Whether one of ``pg``'s backends is NCCL-like by its own word (a group torch made)."""
     for device in ("cpu", "cuda"):

@@ -78,7 +78,7 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
         return existing
     timeout = get_default_timeout()
     if _user_timeout is not None:
-        options = getattr(backend, "options", None)
+        options = pgstate.backend_options(backend)
         group_timeout = getattr(options, "timeout", None) or getattr(options, "_timeout", None)
         timeout = group_timeout.total_seconds() if group_timeout is not None else _user_timeout
     # NCCL completes a work's future at enqueue: its works are polled (work.is_completed(), the

@@ -89,6 +89,24 @@ def set_pending(on: bool) -> None:
             setattr(_c10d, name, _STAND_INS[name] if on else real)
 
 
+@contextmanager
+def real_classes() -> Iterator[None]:
+    """torch's own backend classes inside, even while a joiner's stand-ins are in place: a
+    third-party backend that recovery rebuilds (through its creator, which may build torch's
+    gloo or NCCL itself) connects for real."""
+    with _lock:
+        was = _pending
+        for name, real in _REAL.items():
+            setattr(_c10d, name, real)
+    try:
+        yield
+    finally:
+        with _lock:
+            if was and _pending:
+                for name in _REAL:
+                    setattr(_c10d, name, _STAND_INS[name])
+
+
 def _stand_in(real: Any, backend_name: str) -> Any:
     """A class that stands in for ``real`` (ProcessGroupGloo, ProcessGroupNCCL) in torch's group
     creation while a joiner waits for its slot: the group is made, named and registered as torch
@@ -105,7 +123,10 @@ def _stand_in(real: Any, backend_name: str) -> Any:
     class StandIn(metaclass=Meta):
         def __new__(cls, store: Any, rank: int, size: int, *args: Any, **kwargs: Any) -> Any:
             backend = _watched.SoloBackend(rank, size, backend_name)
-            backend.options = _Options()
+            try:
+                backend.options = _Options()
+            except AttributeError:  # torch 2.14: a property, which reads the backend's own options
+                pass
             return backend
 
     StandIn.__name__ = f"Solo{real.__name__}"

@@ -1048,7 +1048,8 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: pgstate.GroupState)
                 raise st.recovery_error(
                     st.generation + 1, f"cannot rebuild a {name} backend (extended API) in place"
                 )
-            fresh = plugin.creator_fn(store, old.rank(), old.size(), td)
+            with joining.real_classes():  # (a joiner's stand-ins are still in place here)
+                fresh = plugin.creator_fn(store, old.rank(), old.size(), td)
         else:
             raise st.recovery_error(st.generation + 1, f"cannot rebuild a {name} backend in place")
     except RuntimeError as exc:  # a member vanished while the connections were made
@@ -1066,8 +1067,7 @@ def _fresh_backend(old: Any, store: Any, seconds: float, st: pgstate.GroupState)
 def _group_timeout(inner: Any) -> datetime.timedelta:
     """The timeout the group was made with: the backend's own options (ProcessGroupNCCL's),
     else the one given to fastdist.init_process_group, else torch's default for the backend."""
-    options = getattr(inner, "options", None)
-    timeout = getattr(options, "_timeout", None)
+    timeout = getattr(pgstate.backend_options(inner), "_timeout", None)
     if isinstance(timeout, datetime.timedelta):
         return timeout
     if isinstance(JOB.timeout, datetime.timedelta):
