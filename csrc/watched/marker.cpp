@@ -66,9 +66,13 @@ void* cudart_symbol(const char* name) {
 bool runtime_capturing(const c10::Stream& s) {
   using IsCapturing = int (*)(void*, int*);
   static auto is_capturing = reinterpret_cast<IsCapturing>(cudart_symbol("cudaStreamIsCapturing"));
-  if (!is_capturing) return false;
+  if (!is_capturing || s.device_type() != c10::DeviceType::CUDA) return false;
   int status = 0;  // cudaStreamCaptureStatusNone
-  return is_capturing(s.native_handle(), &status) == 0 && status != 0;
+  try {
+    return is_capturing(s.native_handle(), &status) == 0 && status != 0;
+  } catch (const std::exception&) {
+    return false;  // a stream without a native handle captures nothing
+  }
 }
 
 // torch 2.13 asks the device's guard whether a stream captures (isStreamCapturing); an older one

@@ -278,7 +278,11 @@ def _reset_iter_state(root: Any) -> None:
     for state in root._state_ctx.all_states:
         state._modules_to_run_forward.clear()
         state._training_state = TrainingState.IDLE
-        for group in state._fsdp_param_groups:
+        # torch 2.11 keeps one parameter group per state (or none), 2.13 a list.
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g] if (g := getattr(state, "_fsdp_param_group", None)) is not None else []
+        for group in groups:
             result = group._all_gather_result
             if result is not None:  # the failed step's all-gather: its fault is known, not waited
                 wait_event(getattr(result, "all_gather_event", None))
