@@ -201,15 +201,21 @@ class _Epochs:
 # new generator at the same address). None (the global RNG) has one of its own.
 _epochs: weakref.WeakKeyDictionary[Any, _Epochs] = weakref.WeakKeyDictionary()
 _global_epochs = _Epochs()
+# torch 2.11's Generator takes no weak reference: its record is kept with the generator itself,
+# held strongly (so that its id() is never another generator's).
+_held: dict[int, tuple[Any, _Epochs]] = {}
 
 
 def _epochs_of(generator: Any) -> _Epochs:
     if generator is None:
         return _global_epochs
-    epochs = _epochs.get(generator)
-    if epochs is None:
-        epochs = _epochs[generator] = _Epochs()
-    return epochs
+    try:
+        epochs = _epochs.get(generator)
+        if epochs is None:
+            epochs = _epochs[generator] = _Epochs()
+        return epochs
+    except TypeError:  # cannot create weak reference
+        return _held.setdefault(id(generator), (generator, _Epochs()))[1]
 
 
 def _rng_state(rng_type: str, generator: Any) -> torch.Tensor:
