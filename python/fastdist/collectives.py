@@ -31,7 +31,7 @@ from torch.distributed.distributed_c10d import (
 )
 
 from ._native import _core
-from .deadlines import DeadlineScope, TimeoutLike, current_time, effective_deadline
+from .deadlines import DeadlineScope, TimeoutLike, current_time, effective_deadline, fail_at
 from .errors import CollectiveTimeoutError
 from .groups import pgstate
 from .ops import arguments, dispatch
@@ -705,17 +705,40 @@ def irecv(
 def batch_isend_irecv(p2p_op_list: list[Any], *, timeout: TimeoutLike = None) -> list[Work]:
     """``torch.distributed.batch_isend_irecv`` with one deadline for the whole batch: takes
     ``torch.distributed.P2POp`` objects (whose ``op`` is ``isend``/``irecv`` from torch or
-    fastdist) and returns one :class:`Work` per op."""
+    fastdist) and returns :class:`Work` handles, as torch does: one for the whole batch where the
+    backend coalesces it (NCCL: issued one at a time, a large symmetric exchange can deadlock),
+    else one per op."""
     if not isinstance(p2p_op_list, list) or not all(isinstance(p, dist.P2POp) for p in p2p_op_list):
         raise TypeError("p2p_op_list must be a list of torch.distributed.P2POp")
     start = current_time()
     deadline = effective_deadline(timeout, start)
     scope = DeadlineScope(deadline)
-    works = []
+    names = []
     for p in p2p_op_list:
         fn = getattr(p.op, "__name__", "")
         if fn not in ("isend", "irecv"):
             raise ValueError(f"P2POp.op must be isend or irecv, got {p.op!r}")
+        names.append(fn)
+    groups = [pgstate.resolve(p.group) for p in p2p_op_list]
+    if groups and all(g is not None and pgstate.state_of(g).watched is not None for g in groups):
+        # Watched groups: torch's own batch (coalesced where the backend coalesces), every op of it
+        # bounded by the scope's deadline in the watched backend.
+        batch = [
+            dist.P2POp(
+                dist.isend if fn == "isend" else dist.irecv,
+                p.tensor,
+                p.peer,
+                p.group,
+                p.tag,
+                **({} if p.peer is not None else {"group_peer": p.group_peer}),
+            )
+            for fn, p in zip(names, p2p_op_list)
+        ]
+        with fail_at(deadline):
+            works = dist.batch_isend_irecv(batch)
+        return [dispatch.WatchedHandle("batch_isend_irecv", w, deadline) for w in works]
+    works = []
+    for fn, p in zip(names, p2p_op_list):
         peer = getattr(p, "group_peer", None) if getattr(p, "peer", None) is None else p.peer
         works.append(_p2p(fn, p.tensor, peer, p.group, p.tag, scope, True))
     return works
