@@ -683,3 +683,39 @@ def test_a_watched_ops_future_asked_for_before_or_after_it_ended() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "late True [1.0, 1.0, 1.0] [1.0, 1.0, 1.0]\nearly [2.0, 2.0, 2.0]\n" in proc.stdout, proc.stdout
+
+
+def test_device_id_sets_the_device_and_groups_are_made_without_a_split() -> None:
+    # torch's eager init (device_id) would split new groups from the default group's backend, and
+    # on a watched group that is fastdist's wrapper (a TypeError on a GPU: no CPU backend splits).
+    # fastdist takes device_id to set the device and connects lazily. (set_device is recorded here:
+    # this machine has no GPU; tests/gpu runs it for real.)
+    code = (
+        "import torch, torch.distributed as dist, fastdist\n"
+        "seen = []\n"
+        "torch.cuda.set_device = seen.append\n"
+        "for bad in ('cuda', torch.device('cpu')):\n"
+        "    try:\n"
+        "        fastdist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1,\n"
+        "                                    device_id=bad)\n"
+        "    except (TypeError, ValueError) as e:\n"
+        "        print('refused:', type(e).__name__, e)\n"
+        "print('initialized after refusals:', dist.is_initialized())\n"
+        "fastdist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1,\n"
+        "                            device_id=torch.device('cuda', 0))\n"
+        "print('bound:', dist.distributed_c10d._get_default_group().bound_device_id, 'set:', seen)\n"
+        "g = dist.new_group([0])\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t, group=g)\n"
+        "print('new_group:', t.item())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "refused: TypeError device_id must be a torch.device or an int, got str: 'cuda'" in out, out
+    assert "refused: ValueError device_id must be a CUDA device with an index, got cpu" in out, out
+    assert "initialized after refusals: False" in out, out
+    assert "bound: None set: [device(type='cuda', index=0)]" in out, out
+    assert "new_group: 1.0" in out, out

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from . import (
@@ -74,6 +75,12 @@ def init_process_group(
     the launched size minus K); each waits here, blocked, until ``fastdist run`` gives it a dead
     rank's place (it then joins), and exits 0 when the job ends without it.
 
+    ``device_id`` (a ``torch.device`` or a CUDA index) sets this process's CUDA device, and is
+    not handed to torch: fastdist connects NCCL at the first collective, as torch does without
+    it. (torch's eager init splits every new group, ``new_group`` and a DeviceMesh's, from the
+    default group's communicator, which it takes from the backend registered in the group: a
+    watched group's is fastdist's wrapper, which torch cannot split from.)
+
     ``FASTDIST_METRICS_PORT=PORT``: serves Prometheus metrics on PORT + LOCAL_RANK (see
     :func:`fastdist.serve_metrics`); ``FASTDIST_EVENTS=PATH``: writes an event per fault and
     recovery (fastdist.diagnostics.events).
@@ -93,6 +100,7 @@ def init_process_group(
             "or destroy the group first (torch.distributed.destroy_process_group())"
         )
     n_spares = joining.spares_arg(spares)
+    _bind_device(kwargs.pop("device_id", None))
     job.die_with_agent()
     uncaught.record_uncaught()
     configure_nccl_error_handling(backend)
@@ -360,6 +368,21 @@ def _tcp_target(init_method: str | None, store: Any | None) -> tuple[str, int] |
             raise ValueError(f"init_method must look like tcp://HOST:PORT, got {init_method!r}")
         return host.strip("[]"), int(port)
     return None
+
+
+def _bind_device(device_id: Any) -> None:
+    """``device_id`` as fastdist takes it (see :func:`init_process_group`): the CUDA device is set,
+    nothing is connected eagerly."""
+    if device_id is None:
+        return
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
+        raise TypeError(
+            f"device_id must be a torch.device or an int, got {type(device_id).__name__}: {device_id!r}"
+        )
+    device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"device_id must be a CUDA device with an index, got {device}")
+    torch.cuda.set_device(device)
 
 
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
