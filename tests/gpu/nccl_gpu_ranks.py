@@ -191,3 +191,60 @@ def gpu_graph_capture(ctx) -> None:
     fastdist.all_reduce(t, timeout=30)  # the group works after either
     torch.cuda.synchronize()
     ctx.record("after", value=t[0].item())
+
+
+def gpu_device_id_subgroups(ctx) -> None:
+    """``device_id`` (torch's eager init) with new_group and a 2-D DeviceMesh: torch would split
+    them from the default group's backend, which on a watched group is fastdist's wrapper."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ["NCCL_HOSTID"] = f"fastdist-test-host{ctx.rank}"
+    device = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+    fastdist.init_process_group(
+        "nccl",
+        store=dist.PrefixStore("pg", ctx.store),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device_id=device,
+    )
+    g = dist.new_group([0, 1])
+    t = torch.ones(1, device=device)
+    dist.all_reduce(t, group=g)
+    mesh = init_device_mesh("cuda", (1, 2))
+    u = torch.ones(1, device=device)
+    dist.all_reduce(u, group=mesh.get_group(1))
+    torch.cuda.synchronize()
+    ctx.record("subgroups", new_group=t.item(), mesh=u.item(), current=torch.cuda.current_device())
+
+
+def gpu_torch_watchdog_abort(ctx) -> None:
+    """ProcessGroupNCCL's own watchdog (the group's timeout, 2 s, through pg_options) fires before
+    fastdist's 8 s deadline on a collective rank 1 never joins: the op must fail, not read as
+    completed (its watchdog sets its error on its copy of the work and aborts the communicator)."""
+    os.environ["NCCL_HOSTID"] = f"fastdist-test-host{ctx.rank}"
+    device = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = __import__("datetime").timedelta(seconds=2)
+    fastdist.init_process_group(
+        "nccl",
+        store=dist.PrefixStore("pg", ctx.store),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=30,
+        pg_options=opts,
+    )
+    t = torch.ones(1, device=device)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    if ctx.rank == 1:
+        ctx.wait_release()
+        return
+    t0 = time.monotonic()
+    try:
+        with fastdist.fail_after(8):
+            dist.all_reduce(t)
+            torch.cuda.synchronize()
+        ctx.record("taken_for_success", elapsed=time.monotonic() - t0)
+    except FastdistError as e:
+        ctx.record("failed", elapsed=time.monotonic() - t0, message=str(e))

@@ -157,3 +157,24 @@ def test_fastdist_run_replaces_a_dead_gpu_worker(tmp_path) -> None:
     diff = compare(str(tmp_path / "ref"), str(tmp_path / "killed"), 2)
     _save("gpu_replace.json", {"diff": diff})
     assert diff <= 1e-5, log[-6000:]
+
+
+def test_device_id_with_new_group_and_a_2d_mesh() -> None:
+    results = run_ranks(nccl_gpu_ranks.gpu_device_id_subgroups, 2, env=SHARED, timeout=120)
+    info = describe(results)
+    for r in results:
+        s = r.record("subgroups")
+        assert s["new_group"] == 2.0 and s["mesh"] == 2.0, info
+        assert r.returncode == 0, info
+
+
+def test_an_op_torchs_watchdog_aborted_fails_on_nccl() -> None:
+    results = run_ranks(nccl_gpu_ranks.gpu_torch_watchdog_abort, 2, absent=(1,), env=SHARED, timeout=120)
+    info = describe(results)
+    r = results[0]
+    _save(
+        "gpu_torch_watchdog.json",
+        [rec for rec in r.records if rec.get("event") in ("failed", "taken_for_success")],
+    )
+    assert not r.has("taken_for_success"), info
+    assert r.record("failed")["elapsed"] < 8.0, info  # torch's watchdog (2 s) acted first
