@@ -508,3 +508,33 @@ def _wait_for_port(port: int, timeout: float) -> None:
         except OSError:
             time.sleep(0.1)
     raise AssertionError(f"nothing listens on port {port} after {timeout} s")
+
+
+@pytest.mark.parametrize("how", ["reduces", "exits_at_start"])
+def test_a_replacement_that_never_calls_sync_state_never_trains_alone(tmp_path: Path, how: str) -> None:
+    """A loop without fastdist.sync_state (tests/replace_no_sync.py), rank 2 SIGKILLed at step 3.
+    Its replacement's collectives used to complete on its stand-in backend: it trained all its
+    steps alone and exited 0 while the live ranks waited for it. Now its first reduction is
+    refused, and a replacement that ends without having joined (refused, or exit 0) ends the job
+    at once, with no further replacement, and the last line says why."""
+    out = tmp_path / how
+    flags = ("--exit-at-start",) if how == "exits_at_start" else ()
+    rc, log = _launch(
+        out,
+        "--nproc-per-node",
+        "3",
+        target=(str(ROOT / "tests" / "replace_no_sync.py"), str(out), *flags),
+    )
+    assert rc != 0, log
+    live = log.split("[fastdist run] what happened:", 1)[0]  # (the story repeats each line)
+    assert live.count("replacement started") == 1, log
+    assert "without having joined the job: the script never calls fastdist.sync_state(state)" in live, log
+    last = [line for line in log.splitlines() if line.startswith("[fastdist run] the job failed:")]
+    assert last and "rank 2's replacement" in last[-1] and "sync_state" in last[-1], log
+    if how == "reduces":
+        assert "exited 0" not in last[-1] and "ended with an exception" in last[-1], log
+        assert "rank 2 is a replacement that has not joined the job yet: it cannot all_reduce" in log, log
+    else:
+        assert "exited 0 without having joined" in last[-1], log
+    # Nobody finished: the live ranks were stopped, and the replacement trained nothing alone.
+    assert not list(out.glob("done-*")), (sorted(p.name for p in out.iterdir()), log)

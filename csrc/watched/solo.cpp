@@ -21,6 +21,16 @@ void fill_slots(at::Tensor& output, const at::Tensor& input) {
   for (int64_t off = 0; off + n <= flat.numel() && n > 0; off += n) flat.narrow(0, off, n).copy_(src);
 }
 
+// A reduction on a stand-in would complete on this process alone: a replacement that trains
+// before fastdist.sync_state() gave it its slot would train alone (its gradients never reduced
+// with the job's) and could save a checkpoint that is not the job's. What model set-up issues
+// (DDP's broadcast and all_gather, FSDP2's first all-gathers, barriers) still completes here.
+[[noreturn]] void refuse(int rank, const char* op) {
+  TORCH_CHECK(false, "fastdist: rank ", rank, " is a replacement that has not joined the job yet: it cannot ", op,
+              " before fastdist.sync_state() has given it its slot (its reductions would be this process's "
+              "alone). Call fastdist.sync_state(state) after building the model and before the first step.");
+}
+
 void copy_if_same(at::Tensor& dst, const at::Tensor& src) {
   if (dst.numel() == src.numel() && !dst.is_same(src)) dst.view(-1).copy_(src.reshape(-1));
 }
@@ -31,18 +41,18 @@ c10::intrusive_ptr<c10d::Work> SoloBackend::broadcast(std::vector<at::Tensor>& t
   return done(t);
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions&) {
-  return done(t);
+  refuse(rank_, "all_reduce");
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::allreduce_sparse(std::vector<at::Tensor>& t,
                                                              const c10d::AllreduceOptions&) {
-  return done(t);
+  refuse(rank_, "all_reduce");
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::allreduce_coalesced(std::vector<at::Tensor>& t,
                                                                 const c10d::AllreduceCoalescedOptions&) {
-  return done(t);
+  refuse(rank_, "all_reduce");
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions&) {
-  return done(t);
+  refuse(rank_, "reduce");
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions&) {
@@ -86,32 +96,24 @@ c10::intrusive_ptr<c10d::Work> SoloBackend::scatter(std::vector<at::Tensor>& out
 c10::intrusive_ptr<c10d::Work> SoloBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                            std::vector<std::vector<at::Tensor>>& inputs,
                                                            const c10d::ReduceScatterOptions&) {
-  for (std::size_t i = 0; i < outputs.size() && i < inputs.size(); ++i) {
-    if (static_cast<int>(inputs[i].size()) > rank_) copy_if_same(outputs[i], inputs[i][rank_]);
-  }
-  return done(outputs);
+  refuse(rank_, "reduce_scatter");
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::ReduceScatterOptions&) {
-  const auto n = output.numel();
-  if (n * size_ == input.numel()) output.view(-1).copy_(input.reshape(-1).narrow(0, rank_ * n, n));
-  return done({output});
+  refuse(rank_, "reduce_scatter");
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::ReduceScatterOptions& opts) {
-  for (std::size_t i = 0; i < outputs.size() && i < inputs.size(); ++i) _reduce_scatter_base(outputs[i], inputs[i], opts);
-  return done(outputs);
+  refuse(rank_, "reduce_scatter");
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>&,
                                                           std::vector<int64_t>&, const c10d::AllToAllOptions&) {
-  copy_if_same(output, input);
-  return done({output});
+  refuse(rank_, "all_to_all");
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions&) {
-  for (std::size_t i = 0; i < outputs.size() && i < inputs.size(); ++i) copy_if_same(outputs[i], inputs[i]);
-  return done(outputs);
+  refuse(rank_, "all_to_all");
 }
 c10::intrusive_ptr<c10d::Work> SoloBackend::barrier(const c10d::BarrierOptions&) { return done({}); }
 

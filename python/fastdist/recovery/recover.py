@@ -85,6 +85,7 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
             if current_time() >= deadline:
                 raise
     joining.set_pending(False)
+    job.joined(dist.get_rank())
     job.answering(dist.get_rank())  # a peer's timeout may have named this rank before it joined
     listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
     return True

@@ -100,6 +100,24 @@ def deaths_key() -> str:
     return keys.key("deaths")
 
 
+def joined_key(rank: int) -> str:
+    """Where a process that took ``rank``'s place says it joined the job (fastdist.sync_state gave
+    it the slot): its pid. ``fastdist run`` fails the job when a replacement ends without it."""
+    return keys.key("joined", rank)
+
+
+def joined(rank: int) -> None:
+    """Under ``fastdist run``: this process, a replacement or a spare, has joined the job as
+    ``rank`` (see :func:`joined_key`)."""
+    store = JOB.store
+    if store is None or os.environ.get(LAUNCHER_ENV) != "1":
+        return
+    try:
+        bounded(lambda _a: store.set(joined_key(rank), str(os.getpid())), GRACE_SECONDS, "telling the agent")
+    except Exception as exc:  # noqa: BLE001 - the store is failing: the next fault says so
+        logger.debug("could not tell fastdist run's agent that rank %d joined: %r", rank, exc)
+
+
 def under_launcher() -> bool:
     """Whether ``fastdist run``'s agent launched this process (and reads the job's records)."""
     return JOB.store is not None and os.environ.get(LAUNCHER_ENV) == "1"

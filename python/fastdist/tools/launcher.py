@@ -48,6 +48,7 @@ from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import start_processes
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from ..store import job, keys, ring
@@ -66,6 +67,11 @@ SAME_ERROR_WINDOW = 3.0
 KILL_MISSING_AFTER = 10.0
 # How often the agent reads the workers' suspicions (one store read; the agent hosts the store).
 SUSPECTS_EVERY = 0.5
+# How long a process that took a dead rank's place may take to start and join (fastdist.sync_state)
+# before the missing-worker rule applies to it: importing torch, building the model and loading
+# the state take tens of seconds on a busy GPU host, and killing a replacement while it starts
+# spends the job's replacements on one death.
+START_GRACE = 300.0
 
 
 class StoreLost(Exception):
@@ -138,6 +144,11 @@ class _PerStartLogs(LogsSpecs):
         return dest
 
 
+# What a replacement's reduction raises before fastdist.sync_state gave it its slot (the stand-in
+# backend's refusal, csrc/watched/solo.cpp).
+NOT_JOINED = "is a replacement that has not joined the job yet"
+
+
 def describe_exit(exitcode: int) -> str:
     """``exit by SIGKILL`` / ``exit code 1``."""
     if exitcode < 0:
@@ -180,6 +191,10 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._suspected: dict[int, float] = {}  # local rank -> when the agent first said so
         self._suspects_read = 0.0  # time.monotonic() of the last read
         self._suspects_failed = False  # a read failed (said once)
+        # Local rank -> (rank, pid) of a process that took a dead rank's place (a replacement or a
+        # promoted spare) and has not said yet that it joined the job (fastdist.sync_state).
+        self._unjoined: dict[int, tuple[int, int]] = {}
+        self.verdict: str | None = None  # the job's last line, when the agent ends it on a rule
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -309,6 +324,10 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 return self._store_lost(worker_group, exc)
         for lr, ctx in list(self._contexts.items()):
             result = ctx.wait(0)
+            if result is not None and not result.is_failed() and lr in self._unjoined:
+                verdict = self._ended_unjoined(worker_group, lr, None)
+                if verdict is not None:
+                    return verdict
             if result is None or not result.is_failed():
                 continue
             failure = result.failures[0]
@@ -378,6 +397,22 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                     self._say(f"rank {rank} (local rank {lr}) answered: not killed")
                 continue
             pid = int(ctx.pids()[0])
+            if lr in self._unjoined and time.time() - self._serving_since.get(lr, 0.0) < START_GRACE:
+                try:
+                    starting = not store.check([job.joined_key(rank)])
+                except Exception:  # noqa: BLE001 - the store is failing: not killed on a guess
+                    starting = True
+                if starting:
+                    if lr not in self._suspected:
+                        self._suspected[lr] = math.inf
+                        self._say(
+                            f"rank {rank} (local rank {lr}, pid {pid}) is a replacement still starting (it "
+                            f"has not joined the job yet): not killed before it joins or {START_GRACE:.0f} s "
+                            "pass"
+                        )
+                    continue
+                if self._suspected.get(lr) == math.inf:
+                    self._suspected.pop(lr)  # joined: the rule applies from now on
             if lr not in self._suspected:
                 self._suspected[lr] = time.monotonic()
                 self._say(
@@ -426,6 +461,11 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             self._idle_spares.discard(lr)
             self._say(f"spare (local rank {lr}, pid {failure.pid}) died while waiting ({how}): not promoted")
             return None
+        if lr in self._unjoined and failure.exitcode > 0 and NOT_JOINED in (traceback_of(failure) or ""):
+            verdict = self._ended_unjoined(worker_group, lr, failure)
+            if verdict is not None:
+                return verdict
+        self._unjoined.pop(lr, None)
         rank = self._serves.pop(lr)
         record = {"rank": rank, "how": how, "pid": failure.pid, "time": time.time()}
         try:
@@ -451,6 +491,35 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 return self._script_error(worker_group, f"as the process it replaced did ({how})")
             return None
         return self._give_rank(worker_group, lr, rank, failure)
+
+    def _ended_unjoined(self, worker_group: WorkerGroup, lr: int, failure: Any) -> RunResult | None:
+        """A process that took a dead rank's place ended (``failure``: None for exit 0) without
+        having joined the job: it never called fastdist.sync_state, so it never trained with the
+        job (its reductions are refused before it joins): whatever it computed, saved or printed
+        was its own alone. Another replacement would do the same: the job ends, saying why."""
+        rank, pid = self._unjoined.pop(lr)
+        try:
+            if self._job_store(worker_group).check([job.joined_key(rank)]):
+                return None
+        except Exception as exc:  # noqa: BLE001 - torch's DistNetworkError and kin: the store is gone
+            return self._store_lost(worker_group, exc)
+        how = (
+            "exited 0" if failure is None else f"ended with an exception ({describe_exit(failure.exitcode)})"
+        )
+        self.verdict = (
+            f"rank {rank}'s replacement (local rank {lr}, pid {pid}) {how} without having joined the "
+            "job: the script never calls fastdist.sync_state(state), so the replacement would train "
+            "alone and its results would not be the job's. Call fastdist.sync_state(state) after "
+            "building the model and before the first step (fastdist.accelerate and fastdist.lightning "
+            "call it for you)"
+        )
+        self._say(self.verdict + "; no replacement; stopping the job")
+        self._stop_workers(worker_group)
+        if failure is not None:
+            self._show_error(f"rank {rank}'s replacement's error (pid {pid})", failure)
+        else:
+            failure = ProcessFailure(local_rank=lr, pid=pid, exitcode=0, error_file="")
+        return RunResult(state=WorkerState.FAILED, failures={rank: failure})
 
     def _store_lost(
         self, worker_group: WorkerGroup, exc: BaseException, ended: tuple[int, int, Any] | None = None
@@ -521,9 +590,14 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         """The dead ``rank`` (its process was local rank ``lr``) to a spare or a new process; a
         RunResult ends the job."""
         store = self._job_store(worker_group)
+        try:
+            store.delete_key(job.joined_key(rank))  # the process that held it said so, not the next
+        except Exception:  # noqa: BLE001, S110 - a store without delete: the key is absent then anyway
+            pass
         if self._idle_spares:
             spare = min(self._idle_spares)
             self._idle_spares.discard(spare)
+            self._unjoined[spare] = (rank, next(iter(self._contexts[spare].pids().values()), -1))
             self._serves[spare] = rank
             self._serving_since[spare] = time.time()
             self._suspected.pop(spare, None)
@@ -533,6 +607,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         if self._replacements_left > 0:
             self._replacements_left -= 1
             pid = self._start_one(worker_group, worker_group.workers[lr], rank=rank)
+            self._unjoined[lr] = (rank, pid)
             self._serves[lr] = rank
             self._say(
                 f"rank {rank}: replacement started (pid {pid}), {self._replacements_left} replacements left"
@@ -591,7 +666,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         default=KILL_MISSING_AFTER,
         help="a worker that a live rank's timeout named missing (it neither reached the op nor "
         "answered: stopped, or stuck in the kernel or a driver) and that has not answered since is "
-        f"killed after this many seconds, and so replaced (default {KILL_MISSING_AFTER:.0f}; inf: never)",
+        f"killed after this many seconds, and so replaced (default {KILL_MISSING_AFTER:.0f}; inf: never); "
+        f"a replacement still starting is not killed before it joins the job or {START_GRACE:.0f} s pass",
     )
     parser.add_argument(
         "--node-wait",
@@ -741,6 +817,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = error_line(exc.get_first_failure()[1]) or exc
         if any(agent.showed_root_cause for agent in agents):
             why = "the script's own error (root cause above)"
+        why = next((agent.verdict for agent in agents if agent.verdict), why)
         print(f"[fastdist run] the job failed: {why}", file=sys.stderr)
         return 1
     except StoreLost as exc:
