@@ -141,7 +141,12 @@ PYBIND11_MODULE(_watched, m) {
   for (PyMethodDef* def = g_scope_methods; def->ml_name != nullptr; ++def) {
     m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(def, nullptr, m.attr("__name__").ptr()));
   }
-  m.def("set_next_deadline", [](double deadline) { set_next_deadline(seconds_arg(deadline, "deadline")); });
+  m.def(
+      "set_next_deadline",
+      [](double deadline, double start) {
+        set_next_deadline(seconds_arg(deadline, "deadline"), start > 0 ? seconds_arg(start, "start") : 0);
+      },
+      py::arg("deadline"), py::arg("start") = 0.0);
   // Reports an exception that has nowhere to go (a timeout handler's, on fastdist's own thread)
   // through sys.unraisablehook, as an exception in __del__ is.
   m.def("write_unraisable", [](const py::object& exc, const py::object& where) {

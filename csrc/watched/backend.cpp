@@ -153,6 +153,7 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
     return issue(*this->inner(), o);
   }
   const bool from_fastdist = has_next_deadline();  // fastdist's own functions checked the call already
+  const Nanos call_start = next_start();
   Nanos now = steady_now();
   Nanos deadline = deadline_for(now);
   const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
@@ -187,7 +188,9 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
       if (o.timeout == c10d::kUnsetTimeout || t < o.timeout) o.timeout = t;
     }
   }
-  const std::uint64_t seq = ctl_->begin(op, now, ins);
+  // The op began when fastdist's call did (its timeout= counts from there), else now.
+  const Nanos start = call_start > 0 && call_start <= now ? call_start : now;
+  const std::uint64_t seq = ctl_->begin(op, start, ins);
   auto inner = this->inner();
   c10::intrusive_ptr<c10d::Work> work;
   try {
@@ -200,7 +203,7 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
     ctl_->rollback(seq);  // refused by the backend (bad arguments): nothing was sent
     throw;
   }
-  return watch(op, type, seq, now, deadline, std::move(work), ins);
+  return watch(op, type, seq, start, deadline, std::move(work), ins);
 }
 
 template <typename Issue>

@@ -25,6 +25,7 @@ double gloo_budget(double budget);
 // scopes.cpp: the deadline fastdist's own functions hand the next op (set_next_deadline).
 bool has_next_deadline();
 bool take_next_deadline(Nanos& out);
+Nanos next_start();  // the call's start given with it (0: none)
 
 // group.cpp: the fault builder, and the cross-rank checks of the ops torch issues.
 FaultBuilder& builder();

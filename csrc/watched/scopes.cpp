@@ -12,6 +12,7 @@ namespace {
 
 thread_local std::vector<Nanos> t_scopes;  // effective deadlines, innermost last
 thread_local Nanos t_next = kNever;
+thread_local Nanos t_next_start = 0;  // when fastdist's call began (0: not given)
 thread_local bool t_has_next = false;
 
 std::mutex& open_mu() {
@@ -44,10 +45,13 @@ void pop_scope() {
   g_open.fetch_sub(1, std::memory_order_release);
 }
 
-void set_next_deadline(Nanos deadline) {
+void set_next_deadline(Nanos deadline, Nanos start) {
   t_next = deadline;
+  t_next_start = start;
   t_has_next = true;
 }
+
+Nanos next_start() { return t_has_next ? t_next_start : 0; }
 
 void clear_next_deadline() { t_has_next = false; }
 

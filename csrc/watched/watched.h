@@ -49,7 +49,9 @@ void push_scope(Nanos deadline);
 void pop_scope();
 // The deadline for the next op issued on this thread by fastdist's own functions (the sooner of
 // their timeout= and the scopes), consumed by that op; kNever for none.
-void set_next_deadline(Nanos deadline);
+// `start`: when the call began (engine clock), the op's start in its record and its error
+// ("after a timeout of ..." is deadline - start); 0: when the backend is reached.
+void set_next_deadline(Nanos deadline, Nanos start = 0);
 void clear_next_deadline();
 // The deadline an op issued now on this thread gets from the scopes (kNever: none).
 Nanos scope_deadline();

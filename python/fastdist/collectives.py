@@ -735,9 +735,9 @@ def batch_isend_irecv(p2p_op_list: list[Any], *, timeout: TimeoutLike = None) ->
             for fn, p in zip(names, p2p_op_list)
         ]
         with fail_at(deadline):
-            works = dist.batch_isend_irecv(batch)
-        return [dispatch.WatchedHandle("batch_isend_irecv", w, deadline) for w in works]
-    works = []
+            issued = dist.batch_isend_irecv(batch)
+        return [dispatch.WatchedHandle("batch_isend_irecv", w, deadline) for w in issued]
+    works: list[Work] = []
     for fn, p in zip(names, p2p_op_list):
         peer = getattr(p, "group_peer", None) if getattr(p, "peer", None) is None else p.peer
         works.append(_p2p(fn, p.tensor, peer, p.group, p.tag, scope, True))

@@ -93,7 +93,7 @@ def run(
             opts = options_cache[kind, NO_TIMEOUT, fields]
         except (KeyError, TypeError):  # not made yet, or a field that cannot be hashed
             opts = backend_options(kind, math.inf, 0.0, fields)
-    _set_next_deadline(deadline)
+    _set_next_deadline(deadline, start)
     try:
         work = issue(target, opts, *args)
     finally:
