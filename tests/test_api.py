@@ -719,3 +719,46 @@ def test_device_id_sets_the_device_and_groups_are_made_without_a_split() -> None
     assert "initialized after refusals: False" in out, out
     assert "bound: None set: [device(type='cuda', index=0)]" in out, out
     assert "new_group: 1.0" in out, out
+
+
+def test_bad_fastdist_settings_in_the_environment_are_refused_by_name() -> None:
+    # FASTDIST_ABORT_TIMEOUT=abc made `import fastdist` fail with a bare ValueError, and -1 was
+    # taken; a job started by hand with a fastdist run worker's environment (FASTDIST_RUN=1 and a
+    # stale FASTDIST_AGENT_PID) SIGKILLed itself silently in init_process_group.
+    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("FASTDIST_")}
+    for value in ("abc", "-1", "nan"):
+        proc = subprocess.run(
+            [sys.executable, "-c", "import fastdist"],
+            env={**base, "FASTDIST_ABORT_TIMEOUT": value},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert (
+            f"ValueError: FASTDIST_ABORT_TIMEOUT must be a number of seconds > 0 (inf: never), got {value!r}"
+            in proc.stderr
+        ), proc.stderr[-2000:]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    code = (
+        "import torch.distributed as dist, fastdist\n"
+        "try:\n"
+        "    fastdist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+        "print('initialized:', dist.is_initialized())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**base, "FASTDIST_RUN": "1", "FASTDIST_AGENT_PID": str(gone.pid)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"its agent (FASTDIST_AGENT_PID={gone.pid}) is not running" in proc.stdout, proc.stdout
+    assert "unset FASTDIST_RUN and FASTDIST_AGENT_PID" in proc.stdout, proc.stdout
+    assert "initialized: False" in proc.stdout, proc.stdout

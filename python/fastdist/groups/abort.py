@@ -11,6 +11,7 @@ ends the process (see :func:`abort_group`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -23,8 +24,21 @@ from ..deadlines import engine, exit_process, run_timeout_handler
 
 logger = logging.getLogger(__name__)
 
+
+def _abort_timeout() -> float:
+    """FASTDIST_ABORT_TIMEOUT (seconds, > 0; default 10), refused with its name when it is not."""
+    text = os.environ.get("FASTDIST_ABORT_TIMEOUT", "10")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:  # (NaN too)
+        raise ValueError(f"FASTDIST_ABORT_TIMEOUT must be a number of seconds > 0 (inf: never), got {text!r}")
+    return value
+
+
 # How long torch's abort may take before fastdist gives up on it and ends the process.
-ABORT_TIMEOUT_SECONDS = float(os.environ.get("FASTDIST_ABORT_TIMEOUT", "10"))
+ABORT_TIMEOUT_SECONDS = _abort_timeout()
 
 
 def abort_group(pg: Any, is_default: bool, error: BaseException) -> None:

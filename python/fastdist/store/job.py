@@ -206,11 +206,16 @@ def die_with_agent() -> None:
     import signal
 
     if os.getppid() != int(agent):
-        # Started through a wrapper (a shell script, say), or the agent is gone already.
+        # Started through a wrapper (a shell script, say), or the agent is gone already: or a
+        # process started by hand inherited a fastdist run worker's environment.
         try:
             os.kill(int(agent), 0)
         except ProcessLookupError:
-            os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(
+                f"fastdist: {LAUNCHER_ENV}=1 says fastdist run started this process, and its agent "
+                f"({AGENT_PID_ENV}={agent}) is not running: the agent ended, or this process inherited a "
+                f"worker's environment (unset {LAUNCHER_ENV} and {AGENT_PID_ENV} to run it by hand)"
+            ) from None
         except PermissionError:
             pass
         return
