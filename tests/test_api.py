@@ -685,6 +685,13 @@ def test_a_watched_ops_future_asked_for_before_or_after_it_ended() -> None:
     assert "late True [1.0, 1.0, 1.0] [1.0, 1.0, 1.0]\nearly [2.0, 2.0, 2.0]\n" in proc.stdout, proc.stdout
 
 
+def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` in a process of its own (``env``: its whole environment), bounded."""
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
 def test_device_id_sets_the_device_and_groups_are_made_without_a_split() -> None:
     # torch's eager init (device_id) would split new groups from the default group's backend, and
     # on a watched group that is fastdist's wrapper (a TypeError on a GPU: no CPU backend splits).
@@ -709,9 +716,7 @@ def test_device_id_sets_the_device_and_groups_are_made_without_a_split() -> None
         "dist.all_reduce(t, group=g)\n"
         "print('new_group:', t.item())\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
+    proc = _python(code)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     assert "refused: TypeError device_id must be a torch.device or an int, got str: 'cuda'" in out, out
@@ -727,14 +732,7 @@ def test_bad_fastdist_settings_in_the_environment_are_refused_by_name() -> None:
     # stale FASTDIST_AGENT_PID) SIGKILLed itself silently in init_process_group.
     base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("FASTDIST_")}
     for value in ("abc", "-1", "nan"):
-        proc = subprocess.run(
-            [sys.executable, "-c", "import fastdist"],
-            env={**base, "FASTDIST_ABORT_TIMEOUT": value},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        proc = _python("import fastdist", {**base, "FASTDIST_ABORT_TIMEOUT": value})
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert (
             f"ValueError: FASTDIST_ABORT_TIMEOUT must be a number of seconds > 0 (inf: never), got {value!r}"
@@ -750,14 +748,7 @@ def test_bad_fastdist_settings_in_the_environment_are_refused_by_name() -> None:
         "    print('refused:', e)\n"
         "print('initialized:', dist.is_initialized())\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**base, "FASTDIST_RUN": "1", "FASTDIST_AGENT_PID": str(gone.pid)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = _python(code, {**base, "FASTDIST_RUN": "1", "FASTDIST_AGENT_PID": str(gone.pid)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"its agent (FASTDIST_AGENT_PID={gone.pid}) is not running" in proc.stdout, proc.stdout
     assert "unset FASTDIST_RUN and FASTDIST_AGENT_PID" in proc.stdout, proc.stdout
