@@ -1,6 +1,7 @@
 // The Python module of the tests' doubles (built by tests/fake_nccl.py with torch's
 // cpp_extension, against the torch installed; never part of the fastdist wheel).
-#include <torch/extension.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <limits>
