@@ -2,7 +2,8 @@
 calls fastdist.sync_state. Rank 2 SIGKILLs itself at step 3 (once: a marker file says it did).
 Its replacement must not train alone: its first reduction is refused (before sync_state it has
 no slot in the job), or, with ``--exit-at-start``, it exits 0 at once; either way ``fastdist run``
-ends the job saying why. ``OUT/done-RANK-PID`` marks a process that finished all its steps."""
+ends the job saying why. With ``--no-recover`` the live ranks raise the death's fault instead of
+recovering. ``OUT/done-RANK-PID`` marks a process that finished all its steps."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main() -> None:
                 opt.step()
             step += 1
         except fastdist.FastdistError:
+            if "--no-recover" in sys.argv:
+                raise  # a loop that does not recover: the live ranks end on the death's fault
             fastdist.recover(timeout=60)
     (out / f"done-{rank}-{os.getpid()}").touch()
 

@@ -538,3 +538,23 @@ def test_a_replacement_that_never_calls_sync_state_never_trains_alone(tmp_path: 
         assert "exited 0 without having joined" in last[-1], log
     # Nobody finished: the live ranks were stopped, and the replacement trained nothing alone.
     assert not list(out.glob("done-*")), (sorted(p.name for p in out.iterdir()), log)
+
+
+def test_a_death_is_the_first_cause_ahead_of_the_faults_it_caused(tmp_path: Path) -> None:
+    """A loop that does not recover (tests/replace_no_sync.py --no-recover): rank 2 SIGKILLed, the
+    live ranks end on the GroupAbortedError it caused. The last line used to call that the
+    script's own error, with gloo's raw text as the root cause; it names the death."""
+    out = tmp_path / "no-recover"
+    rc, log = _launch(
+        out,
+        "--nproc-per-node",
+        "3",
+        target=(str(ROOT / "tests" / "replace_no_sync.py"), str(out), "--no-recover"),
+    )
+    assert rc != 0, log
+    last = [line for line in log.splitlines() if line.startswith("[fastdist run] the job failed:")]
+    assert last and last[-1].startswith(
+        "[fastdist run] the job failed: rank 2 died (exit by SIGKILL), and then"
+    ), log
+    assert "GroupAbortedError" in last[-1] and "script's own error" not in last[-1], log
+    assert "after rank 2's death" in log, log  # each live rank's error, shown as a detail

@@ -67,6 +67,10 @@ SAME_ERROR_WINDOW = 3.0
 KILL_MISSING_AFTER = 10.0
 # How often the agent reads the workers' suspicions (one store read; the agent hosts the store).
 SUSPECTS_EVERY = 0.5
+# The errors a death causes on the live ranks (fastdist.errors), and how long after the death an
+# exception exit counts as caused by it (their deadline, the report and the exit, on a loaded host).
+FAULT_ERRORS = {"GroupAbortedError", "CollectiveTimeoutError", "RecoveryError", "FastdistError"}
+FAULT_WINDOW = 120.0
 # How long a process that took a dead rank's place may take to start and join (fastdist.sync_state)
 # before the missing-worker rule applies to it: importing torch, building the model and loading
 # the state take tens of seconds on a busy GPU host, and killing a replacement while it starts
@@ -97,6 +101,11 @@ def error_line(failure: Any) -> str:
     if isinstance(message, dict):
         message = message.get("message", message)
     return str(message)
+
+
+def _error_type(failure: Any) -> str:
+    """The exception's class name (``GroupAbortedError``), from :func:`error_line`."""
+    return error_line(failure).split(":", 1)[0].strip().rsplit(".", 1)[-1]
 
 
 def _error_of(failure: Any) -> tuple[int, str]:
@@ -195,6 +204,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         # promoted spare) and has not said yet that it joined the job (fastdist.sync_state).
         self._unjoined: dict[int, tuple[int, int]] = {}
         self.verdict: str | None = None  # the job's last line, when the agent ends it on a rule
+        self._deaths: list[tuple[float, int, str]] = []  # (time.monotonic(), rank, how): by signal
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -485,6 +495,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             )
         else:
             self._say(f"rank {rank} (local rank {lr}, pid {failure.pid}) died: {how}")
+            self._deaths.append((time.monotonic(), rank, how))
         if failure.exitcode > 0:  # an exception: perhaps the script's own error (_settle_raised)
             self._raised.append(_Raised(time.monotonic(), lr, rank, failure))
             if self._replaced_errors.get(rank) == _error_of(failure):
@@ -563,6 +574,24 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         first traceback shown once as the root cause and the other ranks' errors in a line each."""
         raised, self._raised = self._raised, []
         ranks = ", ".join(str(r.rank) for r in raised)
+        death = self._first_cause(raised)
+        if death is not None:
+            # A death came first, and these errors are the faults it caused on the live ranks
+            # (a loop that does not recover, say): the death is the cause, their errors details.
+            self.verdict = (
+                f"rank {death[1]} died ({death[2]}), and then rank{'s' if len(raised) > 1 else ''} {ranks} "
+                f"ended with the fault{'s' if len(raised) > 1 else ''} it caused "
+                f"({', '.join(sorted({_error_type(r.failure) for r in raised}))}): the job "
+                "cannot go on without their state (a loop that calls fastdist.recover() on a FastdistError "
+                "survives this)"
+            )
+            self._say(self.verdict + "; stopping the job")
+            self._stop_workers(worker_group)
+            for r in raised:
+                self._show_error(
+                    f"rank {r.rank}'s error (pid {r.failure.pid}), after rank {death[1]}'s death", r.failure
+                )
+            return RunResult(state=WorkerState.FAILED, failures={r.rank: r.failure for r in raised})
         self._say(
             f"rank{'s' if len(raised) > 1 else ''} {ranks} ended with an exception {why}: the "
             "script's own error, not a dead worker: no replacement; stopping the job"
@@ -578,6 +607,15 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             print(f"[fastdist run] rank {other.rank} (pid {other.failure.pid}): {what}", file=sys.stderr)
         self.showed_root_cause = True
         return RunResult(state=WorkerState.FAILED, failures={r.rank: r.failure for r in raised})
+
+    def _first_cause(self, raised: list[_Raised]) -> tuple[float, int, str] | None:
+        """The death by signal that the exception exits ``raised`` followed (within FAULT_WINDOW
+        before the first of them), when every one of them ended on a fastdist fault (the errors a
+        death causes on the live ranks); else None: the script's own error."""
+        first = min(r.seen for r in raised)
+        deaths = [d for d in self._deaths if first - FAULT_WINDOW <= d[0] <= first]
+        faults = all(_error_type(r.failure) in FAULT_ERRORS for r in raised)
+        return deaths[-1] if deaths and faults else None
 
     def _show_error(self, title: str, failure: Any) -> None:
         """The traceback a worker wrote to its error file (it printed none), once, on stderr."""
