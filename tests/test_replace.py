@@ -558,3 +558,29 @@ def test_a_death_is_the_first_cause_ahead_of_the_faults_it_caused(tmp_path: Path
     ), log
     assert "GroupAbortedError" in last[-1] and "script's own error" not in last[-1], log
     assert "after rank 2's death" in log, log  # each live rank's error, shown as a detail
+
+
+def test_a_replacement_slow_to_start_is_not_killed_while_it_starts(reference: Path, tmp_path: Path) -> None:
+    """The live ranks name a replacement that has not come to their recovery after 3 s; with
+    --kill-missing-after 2 the agent used to kill it while it was still starting (8 s here), and
+    spend the next replacement on the same death. A replacement is exempt until it joins (or 300 s
+    pass): one replacement, and the model equals the undisturbed run's."""
+    out = tmp_path / "slow"
+    rc, log = _launch(
+        out,
+        "--nproc-per-node",
+        "3",
+        "--kill-missing-after",
+        "2",
+        target=(
+            str(ROOT / "tests" / "replace_slow_start.py"),
+            "8",
+            *("--steps", str(STEPS), "--out", str(out), "--kill-rank", "1", "--kill-step", "5"),
+        ),
+    )
+    live = log.split("[fastdist run] what happened:", 1)[0]
+    assert rc == 0, log
+    assert live.count("replacement started") == 1, log
+    assert "is a replacement still starting (it has not joined the job yet): not killed" in live, log
+    assert "rank 1: joined the running job at step 5" in log and log.count("done at step 12") == 3, log
+    assert compare(str(reference), str(out), 3) == 0.0
