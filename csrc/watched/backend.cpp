@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 
@@ -23,6 +24,45 @@ std::mutex& backends_mu() {
 std::vector<c10::weak_intrusive_ptr<WatchedBackend>>& backends() {
   static auto* v = new std::vector<c10::weak_intrusive_ptr<WatchedBackend>>();
   return *v;
+}
+
+// Lets go of the backends recovery replaced, one at a time, on one thread of its own: their
+// destructors may join threads that sleep or wait for a peer (watched.h, swap_inner). One thread
+// for the process, not one per recovery, so that a job's thread count does not grow with its faults.
+struct Reaper {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> queue;
+  bool started = false;
+
+  void add(c10::intrusive_ptr<c10d::Backend> old) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      queue.push_back(std::move(old));
+      if (!started) {
+        started = true;
+        std::thread([this] { loop(); }).detach();
+      }
+    }
+    cv.notify_one();
+  }
+
+  void loop() {
+    for (;;) {
+      std::vector<c10::intrusive_ptr<c10d::Backend>> batch;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return !queue.empty(); });
+        batch.swap(queue);
+      }
+      batch.clear();  // the destructors run here, outside the lock
+    }
+  }
+};
+
+Reaper& reaper() {
+  static auto* r = new Reaper();  // leaked: its thread outlives static destruction
+  return *r;
 }
 
 }  // namespace
@@ -80,7 +120,7 @@ void WatchedBackend::swap_inner(c10::intrusive_ptr<c10d::Backend> fresh) {
   ctl_->revive();
   // `fresh` now holds the old backend. Its destructor may join threads that sleep or wait for a
   // peer (see watched.h): it runs on a thread of its own, never on recover()'s.
-  std::thread([old = std::move(fresh)]() mutable { old.reset(); }).detach();
+  reaper().add(std::move(fresh));
 }
 
 bool WatchedBackend::inner_failed(std::string& why) {
