@@ -198,7 +198,9 @@ def die_with_agent() -> None:
     """Under ``fastdist run``, makes this worker die (SIGKILL) when its agent's process ends. torch
     starts each worker in a session of its own, so a worker outlives an agent that was killed; but
     a node's agent and workers are replaced together (a new agent restarts all of the node's ranks:
-    fastdist.tools.nodes), and a worker left running would then hold a rank twice. Linux only."""
+    fastdist.tools.nodes), and a worker left running would then hold a rank twice. An agent already
+    gone when this runs (or a stale FASTDIST_AGENT_PID inherited by a process started by hand):
+    RuntimeError, naming both variables. Linux only."""
     agent = os.environ.get(AGENT_PID_ENV, "")
     if os.environ.get(LAUNCHER_ENV) != "1" or not agent.isdigit() or not sys.platform.startswith("linux"):
         return
