@@ -395,3 +395,18 @@ def test_the_seat_of_a_group_torch_made_asks_its_private_backends_whether_cpp_po
     posted = board.Seat(store, "n", 0, 0, 2, backends=[Posted()])
     assert not board.post_status(posted, posted.status("barrier", 1, "timed_out"))
     assert not store.check([f"{posted.prefix}/status"])  # nothing posted a second time
+
+
+def test_a_peer_closed_verdict_names_as_dead_only_the_ranks_that_did_not_answer() -> None:
+    """Rank 2 posted nothing (killed); rank 1 answered from outside the op (alive, it had not
+    reached it yet): only rank 2 is said to have exited, and only it is presumed gone."""
+    from fastdist.diagnostics import verdict
+
+    rep = board.Report(missing=[1, 2], stacks={1: ["train.py:10 in step"]})
+    assert rep.silent == [2]
+    cause, why = verdict.peer_closed_verdict(rep, time.time())
+    assert cause is None
+    assert why == "rank 2 exited or was killed; rank 1 answered from outside the op (alive)"
+    assert verdict.peer_closed_verdict(board.Report(missing=[1, 2]), time.time())[1] == (
+        "ranks 1, 2 exited or were killed"
+    )

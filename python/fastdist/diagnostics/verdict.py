@@ -109,10 +109,11 @@ def peer_closed(call: OpCall, text: str) -> BaseException:
         return timeout_error(call, rep, cause)
     reason = f"{why}; {op} #{seq} failed: {text}"
     st.mark_dead(reason, replace=True)
-    if rep is not None and rep.missing and not rep.timed_out:
+    if rep is not None and rep.silent and not rep.timed_out:
         # They closed their connections and did not answer the ring: gone. A recovery that may
-        # shrink does not wait for them (see fastdist.recovery).
-        st.presume_gone(rep.missing)
+        # shrink does not wait for them (see fastdist.recovery). A rank that answered from
+        # outside the op is alive, whatever else failed.
+        st.presume_gone(rep.silent)
     return st.aborted(op, reason)
 
 
@@ -131,14 +132,21 @@ def peer_closed_verdict(rep: board.Report | None, started_wall: float) -> tuple[
     if rep is not None and rep.timed_out:
         return None, f"rank {min(rep.timed_out)} had timed out and aborted the group before this rank arrived"
     if rep is not None and rep.missing:
-        many = len(rep.missing) > 1
-        return (
-            None,
-            (
-                f"rank{'s' if many else ''} {', '.join(map(str, rep.missing))} exited or "
+        silent, elsewhere = rep.silent, [r for r in rep.missing if r in rep.stacks]
+        why = []
+        if silent:
+            many = len(silent) > 1
+            why.append(
+                f"rank{'s' if many else ''} {', '.join(map(str, silent))} exited or "
                 f"{'were' if many else 'was'} killed"
-            ),
-        )
+            )
+        if elsewhere:
+            many = len(elsewhere) > 1
+            why.append(
+                f"rank{'s' if many else ''} {', '.join(map(str, elsewhere))} answered from "
+                f"outside the op (alive)"
+            )
+        return None, "; ".join(why)
     return None, "a peer exited or was killed"
 
 

@@ -248,7 +248,7 @@ def timed_out(
     if late:
         cause = late + (f"; {cause}" if cause else "")
     if rep is not None and rung_by is None:
-        silent = [r for r in rep.missing if r not in rep.stacks]  # never reached it, did not answer
+        silent = rep.silent  # never reached it, did not answer
         if silent:  # fastdist run's agent kills a rank that stays silent (a frozen process)
             began = time.time() - (current_time() - call.start)
             job.name_missing(silent, st.my_global_rank, f"{call.name} on group {st.name!r}", began)

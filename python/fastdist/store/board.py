@@ -78,6 +78,12 @@ class Report:
     # arriving last over most of the recent ops (see straggler()).
     straggler: str | None = None
 
+    @property
+    def silent(self) -> list[int]:
+        """The ranks of ``missing`` that posted nothing within the window: stopped or dead (a
+        rank that answered from elsewhere is alive, in no op on the group)."""
+        return [r for r in self.missing if r not in self.stacks]
+
 
 class Posts:
     """The statuses a group's lineage has posted, as (generation, rank): once each, so that the
