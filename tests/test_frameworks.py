@@ -26,6 +26,7 @@ from typing import Any
 import fastdist
 import pytest
 import torch
+from fastdist.steps import StepStart
 from mp import free_port, run_session
 
 HERE = Path(__file__).resolve().parent
@@ -456,6 +457,26 @@ def test_run_step_arguments_and_a_step_that_already_updated_is_not_redone() -> N
     assert not isinstance(info.value, fastdist.FastdistError)
     assert torch.equal(p.detach(), torch.full((2,), 0.5))  # updated once, not redone
     assert not opt._optimizer_step_post_hooks  # the counting hook is gone
+
+
+@pytest.mark.timeout(30)
+def test_a_redone_step_starts_from_the_gradients_it_started_with_by_default() -> None:
+    """A step that does not zero its gradients (an accumulation window's micro-batch, a Trainer's
+    training_step) and failed halfway through its backward: the default puts back the gradients
+    of its start (a copy where one existed, none where none did); False, for a step that zeroes
+    its own, leaves them."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([a, b], lr=0.5)
+    a.grad = torch.full((2,), 3.0)  # the window's earlier micro-batches
+    start = StepStart([opt])
+    a.grad += 5.0  # the failed attempt's partial backward
+    b.grad = torch.ones(2)
+    start.restore()
+    assert torch.equal(a.grad, torch.full((2,), 3.0)) and b.grad is None
+    kept = StepStart([opt], keep_grads=False)
+    a.grad += 1.0
+    kept.restore()
+    assert torch.equal(a.grad, torch.full((2,), 4.0)) and not kept.grads
 
 
 UNWATCHED = """

@@ -67,14 +67,20 @@ def _inner(optimizer: Any) -> Any:
 
 class StepStart:
     """What a step changes before its optimizer update and must be as it was when the step is
-    redone: the gradients already accumulated (``keep_grads``) and the RNG state. It also counts
-    the optimizers' updates during the attempt, so that a step that failed after one is not
-    redone."""
+    redone: the gradients (``keep_grads``) and the RNG state. It also counts the optimizers'
+    updates during the attempt, so that a step that failed after one is not redone.
 
-    def __init__(self, optimizers: Iterable[Any] = (), keep_grads: bool = False) -> None:
+    ``keep_grads``: ``None`` (the default) puts the gradients back as they were at the start,
+    whatever the step does with them: parameters without one get none again (free), and those
+    with one get a copy taken here (one copy of those gradients per step: an accumulation window,
+    or ``zero_grad(set_to_none=False)``). ``True`` does the same; ``False`` leaves them as the
+    failed attempt left them: only for a step that zeroes its gradients before its backward
+    (then no copy is ever taken)."""
+
+    def __init__(self, optimizers: Iterable[Any] = (), keep_grads: bool | None = None) -> None:
         self.optimizers = [_inner(o) for o in optimizers]
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        if keep_grads:
+        if keep_grads is not False:
             for opt in self.optimizers:
                 for group in opt.param_groups:
                     for p in group["params"]:
@@ -206,7 +212,7 @@ def run_step(
     *,
     timeout: float | datetime.timedelta,
     optimizers: Iterable[Any] = (),
-    keep_grads: bool = False,
+    keep_grads: bool | None = None,
     max_retries: int = 3,
     recover_timeout: float | datetime.timedelta = 60.0,
     group: Any = None,
@@ -225,10 +231,13 @@ def run_step(
             fastdist.run_step(step, timeout=30, optimizers=[opt])
 
     ``optimizers``: the step's optimizers (wrapped ones too). An attempt during which one of them
-    updated the parameters is not redone: ``RuntimeError``. ``keep_grads=True`` when the
-    step is the last micro-batch of a gradient-accumulation window and does not zero the
-    gradients: the gradients at the start are copied and put back before a retry. The RNG state
-    is put back too. After ``max_retries`` faults the last error is raised. ``state`` is passed
+    updated the parameters is not redone: ``RuntimeError``. Before a retry the gradients are put
+    back as they were at the step's start (``keep_grads=None``, the default: a step that does
+    not zero them, a micro-batch of an accumulation window or a Trainer's ``training_step``, is
+    redone without drift; gradients that exist at the start are copied each step, those that do
+    not cost nothing). ``keep_grads=False`` skips that, for a step that zeroes its gradients before
+    its backward and keeps them allocated (``zero_grad(set_to_none=False)``): no copy. The RNG
+    state is put back too. After ``max_retries`` faults the last error is raised. ``state`` is passed
     to :func:`recover` (a replacement of a dead rank is brought up to date with it).
 
     Sharded state (FSDP2): ``snapshot``, a :class:`fastdist.PeerSnapshot` of ``state``, and
@@ -253,8 +262,8 @@ def run_step(
     seconds = positive_seconds(timeout, "timeout")
     retries = check_retries(max_retries)
     recover_seconds = positive_seconds(recover_timeout, "recover_timeout")
-    if not isinstance(keep_grads, bool):
-        raise TypeError(f"keep_grads must be a bool, got {type(keep_grads).__name__}: {keep_grads!r}")
+    if keep_grads is not None and not isinstance(keep_grads, bool):
+        raise TypeError(f"keep_grads must be a bool or None, got {type(keep_grads).__name__}: {keep_grads!r}")
     start = StepStart(optimizers, keep_grads)
     on_retry = snapshot_at_start(snapshot, step_number, state)
 
