@@ -16,6 +16,10 @@ tests/test_replace.py:
 - ``FAULT=dies-and-freezes``: as rank 1 dies at ``--kill-step``, rank 2's first process SIGSTOPs
   itself entering that step (its peers' step fails on the death, not on a timeout: the frozen
   rank is named from the recovery, where it never comes);
+- ``FAULT=busy``: the rank killed at ``--kill-step`` is busy instead, mid-backward: about 7 s in
+  one C call holding the GIL (its heartbeat thread cannot run: only its CPU time shows it is
+  alive), then 6 s asleep (no CPU: only its heartbeat shows it); then it goes on (the agent must
+  not kill it: a long evaluation or checkpoint write looks like this);
 - ``FAULT=agent-frozen``: the rank killed at ``--kill-step`` first SIGSTOPs the agent, which
   hosts the job's store (a frozen or lost node): the live ranks must still raise in time.
 """
@@ -26,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch.distributed as dist
 from fastdist.examples import train_ddp
@@ -106,11 +111,25 @@ if fault == "dies-and-freezes" and os.environ["RANK"] == "2":
 
     fastdist.fail_after = fail_after
 
-if fault in ("agent-frozen", "frozen"):
+if fault in ("agent-frozen", "frozen", "busy"):
     real_kill = os.kill
+    busied: list[bool] = []
 
     def kill(pid: int, sig: int) -> None:
         if pid == os.getpid() and sig == signal.SIGKILL:  # train_ddp's death mid-backward
+            if fault == "busy":
+                if busied:
+                    return  # (the step is redone: the hook runs again)
+                busied.append(True)
+                t = time.perf_counter()
+                sum(range(10**6))
+                n = int(7.0 / max(time.perf_counter() - t, 1e-4) * 10**6)
+                print(f"rank {os.environ['RANK']}: busy in one C call", flush=True)
+                sum(range(n))  # one call: the GIL is not released until it returns
+                print(f"rank {os.environ['RANK']}: asleep", flush=True)
+                time.sleep(6.0)
+                print(f"rank {os.environ['RANK']}: back", flush=True)
+                return
             if fault == "frozen":
                 sig = signal.SIGSTOP
             else:

@@ -616,6 +616,8 @@ def test_init_twice_and_a_timeout_of_a_million_days(tmp_path: Any) -> None:
             "--spares 5 leaves no process of --nproc-per-node 2 to train: give fewer",
         ),
         (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1, got 0"),
+        # Issue 51: told as the store's node lost.
+        (["--rdzv-id", "j" * 20000], "--rdzv-id is 20000 characters long: at most 256"),
         (["--nproc-per-node", "-1"], "--nproc-per-node must be at least 1, got -1"),
         (["--nproc-per-node", "lots"], "--nproc-per-node lots: Unsupported nproc_per_node value: lots"),
         (["--nnodes", "0"], "--nnodes must be at least 1 (and MIN <= MAX), got '0'"),

@@ -291,6 +291,20 @@ def test_a_frozen_worker_is_named_killed_and_replaced_and_the_model_is_exact(
     assert compare(str(reference), str(tmp_path / "frozen"), 3) == 0.0
 
 
+def test_a_busy_worker_is_not_killed_and_the_model_is_exact(reference: Path, tmp_path: Path) -> None:
+    """Rank 1 is busy 13 s mid-backward at step 5 (7 s in one C call holding the GIL, then 6 s
+    asleep) while the live ranks time out naming it: the agent sees its CPU time, then its
+    heartbeat, and does not kill it (--kill-missing-after 2 would have, twice over); it comes
+    back, the step is redone once, and no replacement is spent."""
+    rc, log = _faults(tmp_path / "busy", "busy", "--nproc-per-node", "3", "--kill-missing-after", "2")
+    assert rc == 0, log
+    assert "rank 1: back" in log, log
+    assert "did not answer rank " in log and "but it is busy, not frozen (" in log, log
+    assert "killed, to be replaced" not in log and "replacement started" not in log, log
+    assert log.count("done at step 12") == 3, log
+    assert compare(str(reference), str(tmp_path / "busy"), 3) == 0.0
+
+
 def test_a_joiner_whose_state_has_another_shape_fails_typed_on_every_rank(tmp_path: Path) -> None:
     """The replacement builds a model with one layer more: it raises RecoveryError saying what it
     could not load, the live ranks' recover() fails too (they learn it in the hand-over's

@@ -102,6 +102,7 @@ def init_process_group(
     n_spares = joining.spares_arg(spares)
     _bind_device(kwargs.pop("device_id", None))
     job.die_with_agent()
+    job.start_heartbeat()
     uncaught.record_uncaught()
     configure_nccl_error_handling(backend)
     conn = _connect(init_method, store, rank, world_size, td, connect, retries, backoff)

@@ -134,6 +134,11 @@ def suspects_key() -> str:
 LAUNCHER_ENV = "FASTDIST_RUN"
 # ... and its own process id: its workers die with it (die_with_agent).
 AGENT_PID_ENV = "FASTDIST_AGENT_PID"
+# ... and a folder of its own where each worker's heartbeat thread touches a file named by its
+# process id (start_heartbeat): the agent's sign that a worker its peers named missing is busy,
+# not frozen. Outside the store: nobody but this node's processes can fake it.
+HEARTBEAT_DIR_ENV = "FASTDIST_HEARTBEAT_DIR"
+HEARTBEAT_EVERY = 1.0
 _DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
 
 
@@ -225,6 +230,41 @@ def die_with_agent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != int(agent):  # the agent ended between the check and the line above
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def heartbeat_file(folder: str, pid: int) -> str:
+    """Where worker ``pid``'s heartbeat thread touches its file (see start_heartbeat)."""
+    return os.path.join(folder, str(pid))
+
+
+_heartbeat: list[threading.Thread] = []
+
+
+def start_heartbeat() -> None:
+    """Under ``fastdist run``: starts (once per process) a daemon thread that touches this
+    process's file in the agent's heartbeat folder every HEARTBEAT_EVERY seconds. A worker busy
+    in user code (an evaluation, a loader wait, a checkpoint write, a sleep) keeps it going, so
+    the agent does not kill it as frozen (fastdist.tools.launcher); a stopped process, or one
+    whose interpreter cannot run, stops it. Ends when the folder goes (the agent ended)."""
+    folder = os.environ.get(HEARTBEAT_DIR_ENV, "")
+    if os.environ.get(LAUNCHER_ENV) != "1" or not folder or not os.path.isdir(folder):
+        return
+    if _heartbeat and _heartbeat[0].is_alive() and _heartbeat[0].name == f"fastdist-heartbeat-{os.getpid()}":
+        return
+    path = heartbeat_file(folder, os.getpid())
+
+    def beat() -> None:
+        while True:
+            try:
+                with open(path, "a"):
+                    os.utime(path)
+            except OSError:
+                return  # the agent removed its folder: it is ending
+            time.sleep(HEARTBEAT_EVERY)
+
+    thread = threading.Thread(target=beat, name=f"fastdist-heartbeat-{os.getpid()}", daemon=True)
+    thread.start()
+    _heartbeat[:] = [thread]
 
 
 def job_running(store: Any) -> bool:

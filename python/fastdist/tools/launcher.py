@@ -34,9 +34,11 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,6 +78,14 @@ FAULT_WINDOW = 120.0
 # the state take tens of seconds on a busy GPU host, and killing a replacement while it starts
 # spends the job's replacements on one death.
 START_GRACE = 300.0
+# A suspected worker shows a sign of life (it is busy, not frozen) when its heartbeat thread
+# touched its file within this many seconds (fastdist.store.job.start_heartbeat), or when its
+# process used at least BUSY_CPU_SHARE of a core since the agent's last look: then its kill clock
+# starts again.
+HEARTBEAT_STALE = 3.0 * job.HEARTBEAT_EVERY
+BUSY_CPU_SHARE = 0.1
+# The longest --rdzv-id taken (it names the job's keys in the store).
+MAX_RDZV_ID = 256
 
 
 class StoreLost(Exception):
@@ -200,6 +210,10 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._suspected: dict[int, float] = {}  # local rank -> when the agent first said so
         self._suspects_read = 0.0  # time.monotonic() of the last read
         self._suspects_failed = False  # a read failed (said once)
+        # Process id -> (its CPU seconds, time.monotonic()) at the agent's last look, and the
+        # local ranks said to be busy (once per suspicion).
+        self._cpu_seen: dict[int, tuple[float, float]] = {}
+        self._said_busy: set[int] = set()
         # Local rank -> (rank, pid) of a process that took a dead rank's place (a replacement or a
         # promoted spare) and has not said yet that it joined the job (fastdist.sync_state).
         self._unjoined: dict[int, tuple[int, int]] = {}
@@ -405,6 +419,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             ):
                 if self._suspected.pop(lr, math.inf) < math.inf:
                     self._say(f"rank {rank} (local rank {lr}) answered: not killed")
+                self._said_busy.discard(lr)
                 continue
             pid = int(ctx.pids()[0])
             if lr in self._unjoined and time.time() - self._serving_since.get(lr, 0.0) < START_GRACE:
@@ -423,6 +438,20 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                     continue
                 if self._suspected.get(lr) == math.inf:
                     self._suspected.pop(lr)  # joined: the rule applies from now on
+            life = self._sign_of_life(lr, pid)
+            if life is not None and self._suspected.get(lr) != math.inf:
+                # Busy in user code (an evaluation, a loader wait, a checkpoint write), not frozen:
+                # its peers' recovery waits for it; killing it would lose its work and a
+                # replacement. Its clock starts once it shows no sign of life.
+                if lr not in self._said_busy:
+                    self._said_busy.add(lr)
+                    self._say(
+                        f"rank {rank} (local rank {lr}, pid {pid}) did not answer rank {rec.get('by')} in "
+                        f"{rec.get('what')}, but it is busy, not frozen ({life}): not killed while it "
+                        "shows signs of life"
+                    )
+                self._suspected.pop(lr, None)
+                continue
             if lr not in self._suspected:
                 self._suspected[lr] = time.monotonic()
                 self._say(
@@ -438,6 +467,34 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 self._suspected[lr] = math.inf  # said and done: its death comes through ctx.wait
+
+    def _sign_of_life(self, lr: int, pid: int) -> str | None:
+        """Why worker ``pid`` (local rank ``lr``) is busy rather than frozen, in words, or None:
+        its heartbeat thread answers (fastdist.store.job.start_heartbeat), or its process used
+        CPU since the agent's last look (a long C call holding the GIL stops the heartbeat, not
+        the CPU). A stopped process shows neither."""
+        cpu, now = _cpu_seconds(pid), time.monotonic()
+        before = self._cpu_seen.get(pid)
+        if cpu is None:
+            return None
+        self._cpu_seen[pid] = (cpu, now)
+        if _process_state(pid).startswith("stopped"):
+            return None
+        folder = os.environ.get(job.HEARTBEAT_DIR_ENV, "")
+        # A main thread in uninterruptible sleep (a hung driver) is stuck whatever its
+        # heartbeat thread does: only CPU counts then.
+        if folder and not _process_state(pid).startswith("in uninterruptible"):
+            try:
+                age = time.time() - os.stat(job.heartbeat_file(folder, pid)).st_mtime
+            except OSError:
+                age = math.inf
+            if age < HEARTBEAT_STALE:
+                return f"its heartbeat thread answered {max(age, 0.0):.1f} s ago"
+        if before is None or not 0 < now - before[1] <= 4 * SUSPECTS_EVERY:
+            return None  # (no recent look to compare with: the next one says)
+        if (cpu - before[0]) / (now - before[1]) >= BUSY_CPU_SHARE:
+            return f"it used {cpu - before[0]:.1f} s of CPU in the last {now - before[1]:.1f} s"
+        return None
 
     def _tell_the_living(self, worker_group: WorkerGroup, store: Any, record: dict[str, Any]) -> None:
         """Puts the death in every other rank's fault inbox (fastdist.diagnostics.listener): on
@@ -662,6 +719,16 @@ def _since(rec: dict[str, Any]) -> float:
     return float(since) if isinstance(since, (int, float)) else float(rec["time"])
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """The user and system CPU time process ``pid`` has used (all its threads), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _process_state(pid: int) -> str:
     """What /proc says process ``pid`` is doing, in words."""
     try:
@@ -703,9 +770,11 @@ def get_args_parser() -> argparse.ArgumentParser:
         type=float,
         default=KILL_MISSING_AFTER,
         help="a worker that a live rank's timeout named missing (it neither reached the op nor "
-        "answered: stopped, or stuck in the kernel or a driver) and that has not answered since is "
-        f"killed after this many seconds, and so replaced (default {KILL_MISSING_AFTER:.0f}; inf: never); "
-        f"a replacement still starting is not killed before it joins the job or {START_GRACE:.0f} s pass",
+        "answered: stopped, or stuck in the kernel or a driver) and that has shown no sign of life "
+        f"since is killed after this many seconds, and so replaced (default {KILL_MISSING_AFTER:.0f}; "
+        "inf: never). A busy worker is not killed: its heartbeat thread answers, or it uses CPU (an "
+        "evaluation, a loader wait, a checkpoint write, a long C call); a replacement still starting "
+        f"is not killed before it joins the job or {START_GRACE:.0f} s pass",
     )
     parser.add_argument(
         "--node-wait",
@@ -790,6 +859,10 @@ def check_args(args: argparse.Namespace) -> tuple[int, int]:
         _refuse("--node-wait must be > 0")
     if not args.kill_missing_after > 0:
         _refuse("--kill-missing-after must be > 0 (inf: never)")
+    if len(str(args.rdzv_id)) > MAX_RDZV_ID:
+        # (it prefixes every key of the job in the store: a 20,000-character one failed there,
+        # and was told as the store's node lost)
+        _refuse(f"--rdzv-id is {len(str(args.rdzv_id))} characters long: at most {MAX_RDZV_ID}")
     _, max_nodes = _node_counts(str(args.nnodes))
     if max_nodes > 1:
         if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
@@ -829,6 +902,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["FASTDIST_SPARES"] = str(args.spares)
     os.environ[job.LAUNCHER_ENV] = "1"  # the workers' errors may read the deaths recorded
     os.environ[job.AGENT_PID_ENV] = str(os.getpid())  # and they die with this process
+    # Where they show they are alive though busy (their heartbeat threads: _sign_of_life).
+    heartbeats = tempfile.mkdtemp(prefix="fastdist-heartbeat-")
+    os.environ[job.HEARTBEAT_DIR_ENV] = heartbeats
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -887,6 +963,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fastdist run: {_busy_port_line(int(taken.group(1)), flag)}", file=sys.stderr)
         return 1
     finally:
+        shutil.rmtree(heartbeats, ignore_errors=True)
         for agent in agents:
             if agent.story:
                 print("[fastdist run] what happened:\n  " + "\n  ".join(agent.story), file=sys.stderr)
