@@ -94,13 +94,24 @@ def train(stall: float) -> dict[str, Any]:
     return result(rank, net, opt.optimizer, steps, losses, retries=calls - len(loader), group_timeout=timeout)
 
 
-def train_windows(kill: str | None) -> dict[str, Any]:
-    """One fastdist step per accumulation window; ``kill``: the marker of rank 2's death."""
+def train_windows(kill: str | None, joiner_dies: bool = False) -> dict[str, Any]:
+    """One fastdist step per accumulation window; ``kill``: the marker of rank 2's death.
+    ``joiner_dies``: its first replacement SIGKILLs itself too, while it loads the loader's state
+    in the hand-over (a death in the hand-over: the live ranks recover again, with a second)."""
     accelerator, model, opt, loader, sched = _prepared(0.0, shuffle=True)
     progress = Progress()  # optimizer steps done: one a window
     # The loader's shuffle order in this epoch goes to a replacement with the model (without it,
     # the replacement's iterator would broadcast Accelerate's RNG state alone).
     data = fastdist.accelerate.LoaderState(loader)
+    if joiner_dies and kill and os.path.exists(kill) and not os.path.exists(kill + "-joiner"):
+        real_load = data.load_state_dict
+
+        def load_state_dict(sd: dict[str, Any]) -> None:
+            open(kill + "-joiner", "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+            real_load(sd)
+
+        data.load_state_dict = load_state_dict  # type: ignore[method-assign]
     state = {"model": model, "optim": opt, "sched": sched, "progress": progress, "data": data}
     joined = progress.step if fastdist.sync_state(state) else None  # a replacement: its step
     rank, losses = accelerator.process_index, []
@@ -131,13 +142,14 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--stall", type=float, default=3.5)
     p.add_argument("--kill", action="store_true", help="rank 2 is SIGKILLed (under fastdist run)")
+    p.add_argument("--joiner-dies", action="store_true", help="with --kill: its first replacement too")
     args = p.parse_args()
     if args.kill:
         marker = os.path.join(args.out, ".killed")
         for run in ("undisturbed", "killed"):
             path = os.path.join(args.out, f"rank{os.environ['RANK']}-{run}.pt")
             if not os.path.exists(path):  # a replacement skips the runs its rank finished
-                torch.save(train_windows(marker if run == "killed" else None), path)
+                torch.save(train_windows(marker if run == "killed" else None, args.joiner_dies), path)
         return
     for run, stall in (("undisturbed", 0.0), ("stalled", args.stall)):
         result = train(stall)

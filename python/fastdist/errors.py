@@ -312,15 +312,20 @@ class RendezvousTimeoutError(FastdistError, TimeoutError):
 
 class RecoveryError(FastdistError):
     """:func:`fastdist.recover` could not rebuild the group. Fields: ``group``, ``rank``,
-    ``generation`` (the one being built), ``reason``, ``missing_ranks``."""
+    ``generation`` (the one being built), ``reason``, ``missing_ranks``, and ``retryable``: True
+    when a fault during the hand-over of the state failed it (a joiner or the rank sending the
+    state died or stalled mid-way): every live rank may call ``recover()`` again, and a new
+    replacement takes the dead rank's place (``run_step`` and ``fastdist.accelerate.step`` do,
+    and a replacement's ``sync_state`` joins that next recovery)."""
 
-    _fields = ("group", "rank", "generation", "reason", "missing_ranks")
+    _fields = ("group", "rank", "generation", "reason", "missing_ranks", "retryable")
 
     group: str
     rank: int
     generation: int
     reason: str
     missing_ranks: list[int] | None
+    retryable: bool | None
 
     def _message(self) -> str:
         text = (

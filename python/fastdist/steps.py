@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from .deadlines import fail_after, validate_seconds
-from .errors import FastdistError
+from .errors import FastdistError, RecoveryError
 from .recovery import reconcile
 from .recovery.recover import recover
 from .recovery.snapshot import PeerSnapshot
@@ -151,12 +151,33 @@ def redo_after_fault(
             )
             # Put back first: a rank that joins in the recovery is handed the step's start.
             start.restore()
-            pg = recover(group, timeout=recover_timeout, state=state, snapshot=snapshot)
+            pg, failures = _recover_again_after_handover_faults(
+                group, recover_timeout, state, snapshot, failures, max_retries
+            )
             done = reconcile.last(pg)
             if done is not None and done.split:
                 raise RuntimeError(_split_message(done)) from err
             if on_retry is not None:
                 on_retry()
+
+
+def _recover_again_after_handover_faults(
+    group: Any, timeout: float, state: Any, snapshot: Any, failures: int, max_retries: int
+) -> tuple[Any, int]:
+    """``recover()``, and again while it fails because a rank died or stalled in the hand-over of
+    the state (a replacement dying while it loads it, the rank sending it dying: one more fault,
+    counted against ``max_retries``; the launcher starts a new replacement meanwhile). Returns the
+    group and the failures counted."""
+    while True:
+        try:
+            return recover(group, timeout=timeout, state=state, snapshot=snapshot), failures
+        except RecoveryError as err:
+            failures += 1
+            if not err.retryable or failures > max_retries:
+                raise
+            log.warning(
+                "fastdist: recovery failed (%s); recovering again (%d of %d)", err, failures, max_retries
+            )
 
 
 def snapshot_at_start(snapshot: Any, step: object, state: Any) -> Callable[[], None] | None:

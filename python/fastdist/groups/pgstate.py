@@ -290,14 +290,18 @@ class GroupState:
         why = reason or self.dead_reason or "aborted"
         return GroupAbortedError(op=op, group=self.name, rank=self.my_global_rank, reason=why)
 
-    def recovery_error(self, generation: int, reason: str, missing: list[int] | None = None) -> RecoveryError:
-        """The error of recovering this group as ``generation`` on this rank."""
+    def recovery_error(
+        self, generation: int, reason: str, missing: list[int] | None = None, retryable: bool = False
+    ) -> RecoveryError:
+        """The error of recovering this group as ``generation`` on this rank (``retryable``: a
+        fault in the hand-over failed it: see RecoveryError)."""
         return RecoveryError(
             group=self.name,
             rank=self.my_global_rank,
             generation=generation,
             reason=reason,
             missing_ranks=missing,
+            retryable=retryable,
         )
 
     def global_rank(self, group_rank: int) -> int:

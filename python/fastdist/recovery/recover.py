@@ -84,6 +84,12 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
             # the live ranks agreed: their rebuild fails on it, and they agree the next one.
             if current_time() >= deadline:
                 raise
+        except RecoveryError as err:
+            # The rank handing this one the state died or stalled mid-way: the live ranks recover
+            # again (steps.redo_after_fault), and this rank joins that recovery.
+            if not err.retryable or current_time() >= deadline:
+                raise
+            logger.warning("fastdist: %s; joining the live ranks' next recovery", err)
     joining.set_pending(False)
     job.joined(dist.get_rank())
     job.answering(dist.get_rank())  # a peer's timeout may have named this rank before it joined
@@ -475,8 +481,8 @@ def hand_over(
     receivers = sorted({*joiners, *ahead})
     names = ", ".join(f"rank {r}" for r in receivers)
 
-    def fail(reason: str) -> RecoveryError:
-        return st.recovery_error(gen, reason)
+    def fail(reason: str, retryable: bool = False) -> RecoveryError:
+        return st.recovery_error(gen, reason, retryable=retryable)
 
     sharded = state_sync.sharded_entries(state) if state is not None else []
     held_twice = replicas(state) if sharded and state is not None else None
@@ -526,7 +532,9 @@ def hand_over(
             failed = torch.tensor([1 if problem else 0], dtype=torch.int32, device=state_sync.device_of(pg))
             dist.all_reduce(failed, group=pg)
     except FastdistError as exc:
-        raise fail(f"handing the state to {names} failed: {exc}") from None
+        # A death or a stall mid-way: one more fault, recovered by recovering again (a new
+        # replacement, or another source).
+        raise fail(f"handing the state to {names} failed: {exc}", retryable=True) from None
     if problem:
         raise fail(f"this rank could not load the state the live ranks handed over: {problem}")
     if int(failed.item()):
