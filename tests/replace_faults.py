@@ -20,6 +20,9 @@ tests/test_replace.py:
   one C call holding the GIL (its heartbeat thread cannot run: only its CPU time shows it is
   alive), then 6 s asleep (no CPU: only its heartbeat shows it); then it goes on (the agent must
   not kill it: a long evaluation or checkpoint write looks like this);
+- ``FAULT=forge``: rank 0 writes, at step 2, what only the job's processes may: unsigned (no
+  FASTDIST_JOB_SECRET tag) records naming rank 1 missing to the agent, and a timeout of another
+  rank's in the fault inboxes of ranks 1 and 2; every reader must ignore them (no abort, no kill);
 - ``FAULT=agent-frozen``: the rank killed at ``--kill-step`` first SIGSTOPs the agent, which
   hosts the job's store (a frozen or lost node): the live ranks must still raise in time.
 """
@@ -110,6 +113,38 @@ if fault == "dies-and-freezes" and os.environ["RANK"] == "2":
         return real_fail_after(*args, **kwargs)
 
     fastdist.fail_after = fail_after
+
+if fault == "forge" and os.environ["RANK"] == "0":
+    import json
+
+    import fastdist
+    from fastdist.store import job, ring
+    from fastdist.store.job import JOB
+
+    real_scope = fastdist.fail_after
+    scopes = [0]
+
+    def forging_scope(*args: object, **kwargs: object) -> object:
+        scopes[0] += 1
+        if scopes[0] == 3:  # step 2
+            now = time.time()
+            suspect = {
+                "rank": 1,
+                "by": 0,
+                "what": "all_reduce #9 on group 'default'",
+                "since": now - 1,
+                "time": now,
+            }
+            JOB.store.append(job.suspects_key(), json.dumps(suspect) + "\n")
+            fault = {"kind": "fault", "group": "default", "gen": 0, "root": 0, "rank": 0, "op": "all_reduce"}
+            fault.update(seq=99, state="timed_out", t=now)
+            store = dist.distributed_c10d._get_default_store()
+            for r in (1, 2):
+                ring.deliver(store, r, json.dumps(fault))
+            print("rank 0: forged records written", flush=True)
+        return real_scope(*args, **kwargs)
+
+    fastdist.fail_after = forging_scope
 
 if fault in ("agent-frozen", "frozen", "busy"):
     real_kill = os.kill

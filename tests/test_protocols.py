@@ -410,3 +410,49 @@ def test_a_peer_closed_verdict_names_as_dead_only_the_ranks_that_did_not_answer(
     assert verdict.peer_closed_verdict(board.Report(missing=[1, 2]), time.time())[1] == (
         "ranks 1, 2 exited or were killed"
     )
+
+
+def test_records_signed_in_python_and_in_cpp_carry_the_same_tag_and_a_forged_one_is_ignored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 51: with the job's secret, a record without its tag (or with another's) is ignored
+    by every reader; C++ (the report made when Python cannot run) tags as Python does."""
+    from fastdist._native import _watched
+    from fastdist.store import seal
+
+    body = '{"kind": "fault", "group": "default", "gen": 0, "root": 1, "op": "all_reduce", "seq": 3}'
+    for key in ("k", "s" * 64, "s" * 100, "é-secret"):
+        assert _watched.seal_tag(key, body) == seal.tag(body, key.encode()), key
+    monkeypatch.setenv(seal.SECRET_ENV, "job-secret")
+    fields = {"kind": str, "seq": int}
+    assert keys.parse_record(seal.seal(body), fields) == json.loads(body)
+    assert keys.parse_record(body, fields) is None  # no tag
+    assert keys.parse_record(body + seal.SEP + "0" * seal.TAG_HEX, fields) is None  # a wrong one
+    other = seal.tag(body, b"another job")
+    assert keys.parse_record(f"{body}{seal.SEP}{other}", fields) is None
+    # Without a secret the store is trusted, as torch trusts it: a tag, if any, is dropped.
+    monkeypatch.delenv(seal.SECRET_ENV)
+    assert keys.parse_record(body, fields) == keys.parse_record(f"{body}{seal.SEP}{other}", fields)
+
+
+def test_forged_joiners_and_ddp_layouts_do_not_shape_a_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue-51 attack: live ranks appended to a generation's joiners and a DDP bucket layout
+    rewritten made two ranks take a forged layout (the model off, exit 0). With the job's secret
+    only a joiner's own signed line counts (not one copied from another generation), and a layout
+    record that is not the lowest live rank's fails the recovery, typed, instead of being used."""
+    from fastdist.recovery import recover as rec
+    from fastdist.store import seal
+
+    monkeypatch.setenv(seal.SECRET_ENV, "job-secret")
+    store = dist.HashStore()
+    st = _rank(store, 0, 3)
+    key1, key2 = rec._joiners_key(st, 1), rec._joiners_key(st, 2)
+    store.append(key1, "0\n1\n")  # forged: no tag
+    store.append(key1, f"{key1} 1\n")  # forged: the new form, no tag
+    store.append(key1, seal.seal(f"{key2} 0") + "\n")  # signed, but another generation's
+    assert rec._joiners(store, st, 1) == []
+    store.append(key1, seal.seal(f"{key1} 2") + "\n")  # a joiner's own
+    assert rec._joiners(store, st, 1) == [2]
+    forged = json.dumps({"key": "x", "layouts": [{"params": [], "buckets": [[1], [0]]}]})
+    assert keys.parse_record(forged, rec._LAYOUT_FIELDS) is None
+    assert keys.parse_record(seal.seal(forged), rec._LAYOUT_FIELDS) is not None

@@ -301,8 +301,26 @@ def test_a_busy_worker_is_not_killed_and_the_model_is_exact(reference: Path, tmp
     assert "rank 1: back" in log, log
     assert "did not answer rank " in log and "but it is busy, not frozen (" in log, log
     assert "killed, to be replaced" not in log and "replacement started" not in log, log
+    assert "ignored a " not in log, log  # every record signed, C++'s (Python could not run) too
     assert log.count("done at step 12") == 3, log
     assert compare(str(reference), str(tmp_path / "busy"), 3) == 0.0
+
+
+def test_records_not_signed_with_the_jobs_secret_are_ignored(reference: Path, tmp_path: Path) -> None:
+    """Issue 51: a store write named a healthy rank missing (the agent killed it) or put a fault
+    in the ranks' inboxes (every rank aborted). fastdist run gives its workers a secret; rank 0
+    writes such records at step 2 without it: the agent and the listeners ignore them, with a
+    warning; rank 1 then dies at step 5 (the signed records of a real death and recovery still
+    act) and the model equals an undisturbed run."""
+    rc, log = _faults(tmp_path / "forge", "forge", "--nproc-per-node", "3", "--kill-missing-after", "2")
+    assert rc == 0, log
+    assert "rank 0: forged records written" in log, log
+    assert "ignored a suspect record" in log and "ignored a fault record" in log, log
+    assert "did not answer rank 0 in all_reduce #9" not in log and "timed out in all_reduce #99" not in log, (
+        log
+    )
+    assert "rank 1: replacement started" in log and log.count("done at step 12") == 3, log
+    assert compare(str(reference), str(tmp_path / "forge"), 3) == 0.0
 
 
 def test_a_joiner_whose_state_has_another_shape_fails_typed_on_every_rank(tmp_path: Path) -> None:
@@ -455,37 +473,46 @@ def test_a_dead_node_is_replaced_by_a_new_agent_and_the_live_nodes_workers_go_on
         kill_sessions(procs)
 
 
-def test_the_node_hosting_the_store_lost_is_told_as_a_node_and_the_other_ends(tmp_path: Path) -> None:
-    """Two agents as two nodes; node A (rank 0, and the agent that hosts the rendezvous store and
-    so the job's) is SIGKILLed with its worker. Node B's agent said nothing of the kind: it
-    crashed in a store call with torch's C++ traceback. It now says the node hosting the store is
-    lost, stops its workers and exits 1; its workers' errors are fastdist's, naming the store."""
+def _two_nodes(tmp_path: Path, *flags: str) -> tuple[list[subprocess.Popen[bytes]], dict[str, Path], Path]:
+    """Two agents on this host as two nodes (c10d rendezvous), training train_ddp for ever: node
+    A (rank 0; its agent hosts the rendezvous store and so the job's), then node B (ranks 1, 2).
+    Returns once each rank has done 3 steps: the agents, their logs, the events file."""
     out, events = tmp_path / "lost", tmp_path / "events"
     out.mkdir()
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     logs = {name: tmp_path / f"{name}.log" for name in "ab"}
+    for name, nproc in (("a", 1), ("b", 2)):
+        cmd = [sys.executable, "-m", "fastdist.run", "--nnodes", "2:2", "--rdzv-backend", "c10d", *flags]
+        cmd += [
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "lost",
+            "--nproc-per-node",
+            str(nproc),
+        ]
+        cmd += ["-m", "fastdist.examples.train_ddp", "--steps", "100000", "--out", str(out)]
+        cmd += ["--events", str(events)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with logs[name].open("wb") as f:
+            procs.append(
+                subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            )
+        if name == "a":
+            _wait_for_port(port, 60)
+    _wait_for(events, lambda e: e["event"] == "step" and e["step"] >= 3, 3, 90)
+    return procs, logs, events
+
+
+def test_the_node_hosting_the_store_lost_is_told_as_a_node_and_the_other_ends(tmp_path: Path) -> None:
+    """Two agents as two nodes; node A (rank 0, and the agent that hosts the rendezvous store and
+    so the job's) is SIGKILLed with its worker. Node B's agent said nothing of the kind: it
+    crashed in a store call with torch's C++ traceback. It now says the node hosting the store is
+    lost, stops its workers and exits 1; its workers' errors are fastdist's, naming the store."""
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        for name, nproc in (("a", 1), ("b", 2)):
-            cmd = [sys.executable, "-m", "fastdist.run", "--nnodes", "2:2", "--rdzv-backend", "c10d"]
-            cmd += [
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                "lost",
-                "--nproc-per-node",
-                str(nproc),
-            ]
-            cmd += ["-m", "fastdist.examples.train_ddp", "--steps", "100000", "--out", str(out)]
-            cmd += ["--events", str(events)]
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            with logs[name].open("wb") as f:
-                procs.append(
-                    subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                )
-            if name == "a":
-                _wait_for_port(port, 60)
-        _wait_for(events, lambda e: e["event"] == "step" and e["step"] >= 3, 3, 90)
+        procs, logs, _ = _two_nodes(tmp_path)
         os.killpg(procs[0].pid, signal.SIGKILL)  # node A: its agent (the store) and, with it, rank 0
         assert procs[1].wait(90) == 1
         text = logs["b"].read_text(errors="replace")
@@ -495,6 +522,30 @@ def test_the_node_hosting_the_store_lost_is_told_as_a_node_and_the_other_ends(tm
         ]
         assert "frame #" not in text.split("[fastdist run] what happened:", 1)[1], text[-4000:]
         assert "the job's store at" in text and "cannot be reached" in text, text[-4000:]  # the workers'
+    finally:
+        kill_sessions(procs)
+
+
+def test_a_lost_node_no_agent_replaces_ends_the_job_naming_it(tmp_path: Path) -> None:
+    """Issue 51: node B (ranks 1, 2; not the store's host) is SIGKILLed, agent and workers, and no
+    new agent comes. Node A's agent named nothing, replaced its healthy rank 0 when its recoveries
+    failed, and the replacement waited 600 s. Now it sees node B's beat stopped with its ranks
+    named missing, and once --node-wait (5 s) passes with no agent in its place it ends the job,
+    naming the node; rank 0 is never replaced."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs, logs, events = _two_nodes(tmp_path, "--node-wait", "5")
+        killed = time.monotonic()
+        os.killpg(procs[1].pid, signal.SIGKILL)  # node B's agent; its workers die with it
+        assert procs[0].wait(60) == 1, logs["a"].read_text(errors="replace")[-4000:]
+        took = time.monotonic() - killed
+        text = logs["a"].read_text(errors="replace")
+        said = "node 1 (ranks 1-2) is lost: its agent has not answered for "
+        assert said in text and "no new agent took its place within --node-wait 5 s" in text, text[-4000:]
+        assert f"[fastdist run] the job failed: {said}" in text, text[-4000:]
+        assert "replacement started" not in text, text[-4000:]
+        assert len({e["pid"] for e in _events(events) if e["rank"] == 0}) == 1
+        assert took < 40, took  # the beat's 4 s and --node-wait, after the ranks were named
     finally:
         kill_sessions(procs)
 

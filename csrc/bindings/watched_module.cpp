@@ -137,6 +137,8 @@ PYBIND11_MODULE(_watched, m) {
   set_check_hook(&run_check);
   m.def("set_check_hook", [](py::object fn) { py_check() = std::move(fn); });
   m.def("set_checks_enabled", &set_checks_enabled, py::arg("on"));
+  // The tag C++ puts on its store records (fastdist.store.seal's, made here: the test compares).
+  m.def("seal_tag", &seal_tag, py::arg("key"), py::arg("body"));
   m.def("set_main_thread", [](unsigned long ident) { set_main_thread(ident); });
   for (PyMethodDef* def = g_scope_methods; def->ml_name != nullptr; ++def) {
     m.attr(def->ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(def, nullptr, m.attr("__name__").ptr()));
@@ -282,7 +284,7 @@ PYBIND11_MODULE(_watched, m) {
           "set_native_report",
           [](const WatchedBackend& b, c10d::Store& store, const std::string& group, std::int64_t generation, int rank,
              int global_rank, const std::string& fault_key, const std::string& status_key,
-             const std::string& count_key, std::vector<std::string> inboxes) {
+             const std::string& count_key, std::vector<std::string> inboxes, const std::string& secret) {
             auto r = std::make_shared<NativeReport>();
             r->store = c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store);
             r->group = group;
@@ -293,10 +295,12 @@ PYBIND11_MODULE(_watched, m) {
             r->status_key = status_key;
             r->count_key = count_key;
             r->inboxes = std::move(inboxes);
+            r->secret = secret;
             b.ctl()->set_native_report(std::move(r));
           },
           py::arg("store"), py::arg("group"), py::arg("generation"), py::arg("rank"), py::arg("global_rank"),
-          py::arg("fault_key"), py::arg("status_key"), py::arg("count_key"), py::arg("inboxes"))
+          py::arg("fault_key"), py::arg("status_key"), py::arg("count_key"), py::arg("inboxes"),
+          py::arg("secret") = std::string())
       .def("clear_native_report", [](const WatchedBackend& b) { b.ctl()->set_native_report(nullptr); })
       .def(
           "native_posted", [](const WatchedBackend& b, std::int64_t generation) { return b.ctl()->native_posted(generation); },

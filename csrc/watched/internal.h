@@ -56,4 +56,10 @@ void relax_capture_mode();
 // backend.cpp: every watched backend still alive.
 std::vector<c10::intrusive_ptr<WatchedBackend>> live_backends();
 
+// seal.cpp: the tag of a record under the job's secret (fastdist.store.seal: the first 32 hex
+// digits of its HMAC-SHA256), and the record as written (tagged; as is without a secret).
+constexpr std::size_t kSealTagHex = 32;
+std::string seal_tag(const std::string& key, const std::string& body);
+std::string sealed(const std::string& key, const std::string& body);
+
 }  // namespace fastdist::watched

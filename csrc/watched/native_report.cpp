@@ -66,10 +66,10 @@ Records records(const NativeReport& r, const FaultInfo& info, bool gil) {
   std::snprintf(t, sizeof t, "%.6f", now);
   const std::string what = "\"op\": " + json_string(info.op) + ", \"seq\": " + std::to_string(info.seq) +
                            ", \"state\": \"timed_out\", \"t\": " + t + (gil ? ", \"gil\": true" : "");
-  return {"{\"rank\": " + std::to_string(r.rank) + ", " + what + ", \"waits\": []}",
-          "{\"kind\": \"fault\", \"group\": " + json_string(r.group) + ", \"gen\": " + std::to_string(r.generation) +
-              ", \"root\": " + std::to_string(r.rank) + ", \"rank\": " + std::to_string(r.global_rank) + ", " + what +
-              "}"};
+  return {sealed(r.secret, "{\"rank\": " + std::to_string(r.rank) + ", " + what + ", \"waits\": []}"),
+          sealed(r.secret, "{\"kind\": \"fault\", \"group\": " + json_string(r.group) +
+                               ", \"gen\": " + std::to_string(r.generation) + ", \"root\": " + std::to_string(r.rank) +
+                               ", \"rank\": " + std::to_string(r.global_rank) + ", " + what + "}")};
 }
 
 // Claims the group's fault for this rank; the first claim rings this rank's children (as

@@ -116,6 +116,7 @@ struct NativeReport {
   int global_rank = 0;  // in the job
   std::string fault_key, status_key, count_key;
   std::vector<std::string> inboxes;  // of this rank's children when it rings
+  std::string secret;                // the job's (fastdist.store.seal): its records are signed
   mutable std::atomic<bool> posted{false};
 };
 

@@ -25,7 +25,7 @@ import threading
 from typing import Any
 
 from ..groups import pgstate, registry
-from ..store import board, keys, keywait, ring
+from ..store import board, keys, keywait, ring, seal
 from ..store.bounded import bounded
 from ..store.etcd import queues_of
 from . import events, stacks, verdict
@@ -68,7 +68,7 @@ def stop(timeout: float = 1.0) -> None:
     try:
         # Bounded: behind a store call stuck on a partition, the push would wait for minutes.
         bounded(
-            lambda _a: ring.deliver(listener.store, listener.rank, json.dumps({"kind": "exit"})),
+            lambda _a: ring.deliver(listener.store, listener.rank, seal.seal_json({"kind": "exit"})),
             timeout,
             "the bell",
         )
@@ -113,7 +113,7 @@ class _Listener(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - the store went away (job end, host died)
                 logger.debug("fastdist: the fault listener stops: %r", exc)
                 return
-            rec = keys.parse_record(raw, _RING_FIELDS)
+            rec = keys.parse_record(raw, _RING_FIELDS, "fault record")
             if rec is None:
                 continue
             if rec["kind"] == "exit":
@@ -204,7 +204,7 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
         if isinstance(fault.get("dead"), str):
             reason = f"{fault['dead']}; {reason}"
         for b in backends:
-            b.fail_remote(record, reason)
+            b.fail_remote(seal.opened(record, "fault record") or "{}", reason)  # (the record itself)
         if not inflight:  # (an op in flight counts its fault where it fails: fastdist.ops.watching)
             st.mark_dead(reason)
             events.emit("abort", st.my_global_rank, st.name, st.generation, str(fault["op"]), reason=reason)

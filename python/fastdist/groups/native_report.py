@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..store import keys
+from ..store import keys, seal
 
 
 def _runs_no_python(store: Any) -> bool:
@@ -40,5 +40,8 @@ def arm(
         return
     prefix = keys.board(group, generation)
     fault, status, count = (f"{prefix}/{what}" for what in ("fault", "status", "count"))
+    secret = (seal.secret() or b"").decode()  # (its records are signed as Python's are)
     for b in backends:
-        b.set_native_report(store, group, generation, rank, global_rank, fault, status, count, inboxes)
+        b.set_native_report(
+            store, group, generation, rank, global_rank, fault, status, count, inboxes, secret=secret
+        )

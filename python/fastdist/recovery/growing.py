@@ -82,6 +82,7 @@ def grow(state: Any, *, timeout: TimeoutLike = None) -> bool:
             rank=dist.get_rank(),
             generation=-1,
             missing_ranks=None,
+            retryable=False,
             reason=f"this rank learnt of the growth due at grow() call #{g.target} only at call "
             f"#{g.calls}: call fastdist.grow() once per step, at the same point, on every rank",
         )
@@ -134,7 +135,12 @@ def _join(state: dict[str, Any], deadline: float) -> None:
 
 def _failed(reason: str) -> RecoveryError:
     return RecoveryError(
-        group="default", rank=dist.get_rank(), generation=-1, missing_ranks=None, reason=reason
+        group="default",
+        rank=dist.get_rank(),
+        generation=-1,
+        missing_ranks=None,
+        reason=reason,
+        retryable=False,
     )
 
 

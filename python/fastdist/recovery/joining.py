@@ -24,6 +24,7 @@ import datetime
 import importlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 from torch.distributed import distributed_c10d as _c10d
 
 from .._native import _watched
-from ..store import job
+from ..store import job, seal
 
 _lock = threading.Lock()
 # Set between a joiner's init_process_group and its sync_state.
@@ -57,11 +58,16 @@ def wait_for_vacancy(store: Any, launch_rank: int) -> int:
     process with status 0 when the job ends without needing it."""
     key = job.spare_key(launch_rank)
     _warm_up()
-    store.wait([key], datetime.timedelta(days=3650))
-    value = bytes(store.get(key)).decode()
-    if value == job.END:
-        raise SystemExit(0)
-    return int(value)
+    while True:
+        store.wait([key], datetime.timedelta(days=3650))
+        value = seal.opened(bytes(store.get(key)), "spare's rank")
+        if value == job.END:
+            raise SystemExit(0)
+        if value is not None and value.isdigit():
+            return int(value)
+        # Not the agent's (not signed with the job's secret): ignored until the agent writes its own
+        # over it (polled: only a forged key gets here).
+        time.sleep(0.2)
 
 
 # What a training script's first DDP, FSDP2 or DeviceMesh constructor imports: torch._dynamo alone

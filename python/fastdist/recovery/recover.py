@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import re
 import threading
@@ -43,7 +42,7 @@ from ..deadlines import (
 from ..diagnostics import events, listener
 from ..errors import FastdistError, RecoveryError
 from ..groups import abort, pgstate, registry
-from ..store import board, job, keys, keywait
+from ..store import board, job, keys, keywait, seal
 from ..store.bounded import GRACE_SECONDS, StoreUnanswered, bounded, stuck
 from ..store.job import JOB
 from . import joining, reconcile, state_sync, world, wrappers
@@ -350,7 +349,17 @@ def _joiners(store: Any, st: pgstate.GroupState, gen: int) -> list[int]:
     key = _joiners_key(st, gen)
     if not store.check([key]):
         return []
-    return sorted({int(r) for r in bytes(store.get(key)).split()})
+    # Each line is a joiner's own, signed with the key it was written to (fastdist.store.seal): a
+    # line written by anything else, or copied from another generation's key, is ignored.
+    out = set()
+    for body in seal.opened_lines(bytes(store.get(key)), "joiner record"):
+        where, _, rank = body.rpartition(" ")
+        if where == key and rank.isdigit():
+            out.add(int(rank))
+    return sorted(out)
+
+
+_LAYOUT_FIELDS: dict[str, type | tuple[type, ...]] = {"key": str, "layouts": list}
 
 
 def _ddp_layouts_key(st: pgstate.GroupState, gen: int, group_name: str) -> str:
@@ -390,14 +399,17 @@ def _ddp_layouts(
         try:
             if me == live[0]:
                 layouts[id(g)] = wrappers.ddp_layouts(g)
-                store.set(key, json.dumps(layouts[id(g)]))
+                store.set(key, seal.seal_json({"key": key, "layouts": layouts[id(g)]}))
                 published.append(key)
                 continue
             if not wrappers.ddp_layouts_wanted(g):
                 continue
             if not keywait.wait_key(store, key, deadline):
                 raise fail(f"rank {live[0]} did not hand them over before the deadline")
-            layouts[id(g)] = json.loads(bytes(store.get(key)))
+            record: Any = keys.parse_record(bytes(store.get(key)), _LAYOUT_FIELDS, "DDP layout record")
+            if record is None or record["key"] != key:
+                raise fail(f"the record at {key} is not rank {live[0]}'s (not signed with the job's secret)")
+            layouts[id(g)] = record["layouts"]
         except (RuntimeError, ConnectionError, ValueError) as exc:  # the store failing, or garbage
             raise fail(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
     return layouts, published
@@ -748,7 +760,7 @@ def _agree(
             gen, f"the other ranks already rebuilt the group as generation {latest} without this rank"
         )
     if joiner:  # before counting in: whoever sees a round complete sees this too
-        store.append(_joiners_key(st, gen), f"{me}\n")
+        store.append(_joiners_key(st, gen), seal.seal(f"{_joiners_key(st, gen)} {me}") + "\n")
     turn = 0
     while True:
         base = _round(key, gen, turn)
@@ -777,6 +789,7 @@ def _agree(
             rank=me,
             generation=gen,
             missing_ranks=None,
+            retryable=True,
             reason="the generation was agreed, before this rank came, by ranks that counted a process "
             "that has died since (a rank killed inside recover()): call recover() again",
         )

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..deadlines import current_time
-from . import keys, keywait, ring
+from . import keys, keywait, ring, seal
 from .bounded import GRACE_SECONDS, StoreUnanswered, bounded
 from .job import JOB
 
@@ -171,7 +171,7 @@ def post_status(seat: Seat, record: dict[str, Any]) -> bool:
         return False
     if _posted_natively(seat):  # C++ posted it at the deadline, while Python could not run
         return False
-    seat.store.append(f"{seat.prefix}/status", json.dumps(record) + "\n")
+    seat.store.append(f"{seat.prefix}/status", seal.seal(json.dumps(record)) + "\n")
     if seat.store.add(f"{seat.prefix}/count", 1) < seat.size:
         return False
     return _close(seat, "all")
@@ -181,7 +181,7 @@ def _claimed_in_cpp(claim: bytes, me: dict[str, Any]) -> bool:
     """Whether the group's fault was claimed, and rung, by this rank's watched backend for the same
     timeout (see ``NativeReport`` in csrc/watched/watched.h: at the deadline, as soon as this
     rank's Python could run, or instead of it)."""
-    rec = keys.parse_record(claim, _CLAIM_FIELDS)
+    rec = keys.parse_record(claim, _CLAIM_FIELDS, "fault claim")
     if rec is None or rec["state"] != "timed_out" or me["state"] != "timed_out":
         return False
     return all(rec[k] == me[k] for k in ("rank", "op", "seq"))
@@ -191,7 +191,7 @@ _CLAIM_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "op": str, "se
 
 
 def _ring_record(seat: Seat, status: dict[str, Any]) -> str:
-    return json.dumps(
+    return seal.seal_json(
         {
             "kind": "fault",
             "group": seat.group,
@@ -262,7 +262,7 @@ def publish(seat: Seat) -> dict[str, Any]:
     """Reads the closed board (the one read of every record, by the one rank that closed it),
     writes its summary to the key every other reporter waits on, and returns it."""
     summary = summarize(seat, bytes(seat.store.get(f"{seat.prefix}/status")))
-    mine = json.dumps(summary, separators=(",", ":"))
+    mine = seal.seal(json.dumps(summary, separators=(",", ":")))
     # The first summary written stays (a rank that took over from a slow closer, below, and the
     # closer may both write one): every rank gets the same report.
     stored = bytes(seat.store.compare_set(f"{seat.prefix}/summary", "", mine))
@@ -310,7 +310,7 @@ def announce(seat: Seat, op: str, seq: int, state: str, dead: str | None = None)
     me = seat.status(op, seq, state, **more)
 
     def work(_abandoned: threading.Event) -> None:
-        mine = json.dumps(me)
+        mine = seal.seal(json.dumps(me))
         if seat.store.compare_set(f"{seat.prefix}/fault", "", mine) == mine.encode():
             ring_group(seat, me)
 
@@ -344,7 +344,7 @@ def report(
     span = later + window(budget, seat.size)
 
     def work(_abandoned: threading.Event) -> dict[str, Any]:  # (late posts to a closed board are harmless)
-        mine = json.dumps(me)
+        mine = seal.seal(json.dumps(me))
         again = None
         claim = None if rung else bytes(store.compare_set(f"{prefix}/fault", "", mine))
         if claim is not None and (claim == mine.encode() or _claimed_in_cpp(claim, me)):
@@ -430,7 +430,7 @@ def _records(size: int, raw: bytes) -> tuple[dict[int, dict[str, Any]], int]:
     records: dict[int, dict[str, Any]] = {}
     invalid = 0
     for line in raw.decode(errors="replace").splitlines():
-        rec: dict[str, Any] | None = keys.parse_record(line, _STATUS_FIELDS)
+        rec: dict[str, Any] | None = keys.parse_record(line, _STATUS_FIELDS, "report status")
         if rec is None or rec["state"] not in _STATES or not 0 <= rec["rank"] < size:
             invalid += 1  # not fastdist's: see the README's Security section
             continue
@@ -498,7 +498,7 @@ _SUMMARY_FIELDS: dict[str, type | tuple[type, ...]] = {
 def parse_summary(raw: bytes, size: int) -> dict[str, Any] | None:
     """A summary read from the store, or None when it is not one fastdist wrote for a group of
     ``size`` ranks (the store has no authentication: see the README's Security section)."""
-    s: dict[str, Any] | None = keys.parse_record(raw, _SUMMARY_FIELDS)
+    s: dict[str, Any] | None = keys.parse_record(raw, _SUMMARY_FIELDS, "report summary")
     if s is None:
         return None
     ok = (

@@ -4,7 +4,6 @@ the rank it takes."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -15,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import keys
+from . import keys, seal
 from .bounded import GRACE_SECONDS, bounded
 
 logger = logging.getLogger(__name__)
@@ -162,7 +161,7 @@ def deaths_since(since: float, ranks: list[int], wait: float, bound: float = mat
             found: dict[int, str] = {}
             if store.check([deaths_key()]):
                 for line in bytes(store.get(deaths_key())).decode(errors="replace").splitlines():
-                    rec: Any = keys.parse_record(line, _DEATH_FIELDS)
+                    rec: Any = keys.parse_record(line, _DEATH_FIELDS, "death record")
                     if rec is not None and rec["rank"] in ranks and rec["time"] >= since - 1.0:
                         found[rec["rank"]] = rec["how"]
             if found or time.monotonic() >= end or abandoned.is_set():
@@ -192,7 +191,7 @@ def _note(records: list[dict[str, Any]]) -> None:
     store = JOB.store
     if store is None or os.environ.get(LAUNCHER_ENV) != "1" or not records:
         return
-    text = "".join(json.dumps(r) + "\n" for r in records)
+    text = "".join(seal.seal_json(r) + "\n" for r in records)
     try:
         bounded(lambda _a: store.append(suspects_key(), text), GRACE_SECONDS, "telling the agent")
     except Exception as exc:  # noqa: BLE001 - the store is failing: the error the caller raises says so

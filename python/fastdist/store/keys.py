@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 
+from . import seal
+
 
 def _attempt() -> int:
     # torchrun (torch.distributed.elastic) numbers the attempts of a worker group.
@@ -55,13 +57,20 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
 
 
-def parse_record(raw: bytes | str, fields: dict[str, type | tuple[type, ...]]) -> dict[str, object] | None:
-    """A JSON record read from the store, or None when it is not one of fastdist's: not JSON, not
-    an object, or lacking one of ``fields`` (name -> expected type). The store has no
-    authentication (see the README's Security section): whatever reads a record checks it here
-    before use, so that a stranger's or a corrupt value gives a clear error, never a crash."""
+def parse_record(
+    raw: bytes | str, fields: dict[str, type | tuple[type, ...]], what: str = "record"
+) -> dict[str, object] | None:
+    """A JSON record read from the store, or None when it is not one of fastdist's: not signed
+    with the job's secret when it has one (fastdist.store.seal; ``what`` names the record in the
+    warning), not JSON, not an object, or lacking one of ``fields`` (name -> expected type). The
+    store has no authentication of its own (see the README's Security section): whatever reads a
+    record checks it here before use, so that a stranger's or a corrupt value gives a clear
+    error, never a crash, and changes nothing."""
+    body = seal.opened(raw, what)
+    if body is None:
+        return None
     try:
-        value = json.loads(raw)
+        value = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(value, dict):

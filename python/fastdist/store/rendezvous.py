@@ -36,7 +36,7 @@ import torch
 from .._version import __version__
 from ..deadlines import RendezvousTimeout, current_time, validate_seconds
 from ..errors import RendezvousClosedError, RendezvousConnectionError, RendezvousTimeoutError
-from . import keys
+from . import keys, seal
 from .etcd import EtcdAccessError, EtcdSecurity, EtcdStore
 
 logger = logging.getLogger(__name__)
@@ -267,11 +267,11 @@ def check_versions(store: Any, rank: int, world_size: int, host: str, port: int,
     """Rank 0 publishes its versions and world size; the others compare theirs."""
     mine = dict(versions(), world_size=world_size)
     if rank == 0:
-        store.set(VERSION_KEY, json.dumps(mine))
+        store.set(VERSION_KEY, seal.seal_json(mine))
         return
     t0 = time.monotonic()
     store.wait([VERSION_KEY], datetime.timedelta(seconds=timeout))
-    theirs = keys.parse_record(store.get(VERSION_KEY), VERSION_FIELDS)
+    theirs = keys.parse_record(store.get(VERSION_KEY), VERSION_FIELDS, "version record")
     if theirs is None:
         raise RendezvousConnectionError(
             cause="invalid_record",

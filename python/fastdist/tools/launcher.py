@@ -29,11 +29,11 @@ import contextlib
 import copy
 import datetime
 import errno
-import json
 import logging
 import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -53,7 +53,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from ..store import job, keys, ring
+from ..store import job, keys, ring, seal
 from . import nodes
 
 logger = logging.getLogger(__name__)
@@ -188,6 +188,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         spares: int = 0,
         link: nodes.NodeLink | None = None,
         kill_missing_after: float = KILL_MISSING_AFTER,
+        node_wait: float = 60.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -205,6 +206,10 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self.story: list[str] = []
         self.showed_root_cause = False
         self._kill_missing_after = kill_missing_after
+        self._node_wait = node_wait  # how long a lost node's place waits for a new agent
+        # Other nodes seen lost (their agent's beat stopped) with ranks named missing: group
+        # rank -> (its slot, seconds its beat has not moved).
+        self._lost_nodes: dict[int, tuple[nodes.Slot, float]] = {}
         # Local rank -> time.time() since when its process holds its rank (started, or promoted).
         self._serving_since: dict[int, float] = {}
         self._suspected: dict[int, float] = {}  # local rank -> when the agent first said so
@@ -361,54 +366,114 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 return verdict
         if self._raised:
             return self._settle_raised(worker_group) or RunResult(state=WorkerState.HEALTHY)
-        if (
-            math.isfinite(self._kill_missing_after)
-            and time.monotonic() - self._suspects_read >= SUSPECTS_EVERY
+        if (math.isfinite(self._kill_missing_after) or self._link is not None) and (
+            time.monotonic() - self._suspects_read >= SUSPECTS_EVERY
         ):
             self._suspects_read = time.monotonic()
-            self._kill_the_silent(worker_group)
+            read = self._read_suspects(worker_group)
+            if read is not None and math.isfinite(self._kill_missing_after):
+                self._kill_the_silent(*read)
+            if read is not None and self._link is not None:
+                verdict = self._lost_node(worker_group, *read)
+                if verdict is not None:
+                    return verdict
         running = [lr for lr in self._contexts if self._contexts[lr].wait(0) is None]
         serving = [lr for lr in running if lr not in self._idle_spares]
         if not serving:
             if running and not self._ended_spares:
                 store = self._job_store(worker_group)
                 for lr in running:
-                    store.set(job.spare_key(worker_group.workers[lr].global_rank), job.END)
+                    store.set(job.spare_key(worker_group.workers[lr].global_rank), seal.seal(job.END))
                 self._ended_spares = True
             if not running:
                 done = {w.global_rank: None for w in worker_group.workers}
                 return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
         return RunResult(state=WorkerState.HEALTHY)
 
-    def _kill_the_silent(self, worker_group: WorkerGroup) -> None:
-        """A worker of this node that a live rank's timeout named missing, and that has not
-        answered since (fastdist.store.job.suspects_key), is named in the story with its
-        process's state; still silent ``--kill-missing-after`` seconds later it is SIGKILLed, and
-        so replaced, while the live ranks wait for it in recover(). A process frozen for good
-        (SIGSTOP, a hung driver) would otherwise hold the job until their recovery fails."""
+    def _read_suspects(
+        self, worker_group: WorkerGroup
+    ) -> tuple[Any, dict[int, dict[str, Any]], dict[int, float]] | None:
+        """The job's store, and per rank its latest suspicion (fastdist.store.job.suspects_key)
+        and when it last answered; None when there is none or the store is failing."""
         try:
             store = self._job_store(worker_group)
             if not store.check([job.suspects_key()]):
-                return
+                return None
             text = bytes(store.get(job.suspects_key())).decode(errors="replace")
         except Exception as exc:  # noqa: BLE001 - the store is failing: the ranks' deadlines still hold
             if not self._suspects_failed:  # once: this runs every SUSPECTS_EVERY
                 self._suspects_failed = True
                 logger.warning("fastdist run: could not read the workers' suspicions: %r", exc)
-            return
-        # Per rank: its latest suspicion, and when it last answered. A suspicion counts only if
-        # the rank has not answered since the op it names began (a rank that was itself late, its
-        # deadline passed while it was stopped, names peers that have long since moved on).
+            return None
         suspicion: dict[int, dict[str, Any]] = {}
         answered: dict[int, float] = {}
         for line in text.splitlines():
-            rec: Any = keys.parse_record(line, {"rank": int, "time": (int, float)})
+            rec: Any = keys.parse_record(line, {"rank": int, "time": (int, float)}, "suspect record")
             if rec is None:
                 continue
             if rec.get("answering"):
                 answered[rec["rank"]] = max(answered.get(rec["rank"], 0.0), float(rec["time"]))
             else:
                 suspicion[rec["rank"]] = rec
+        return store, suspicion, answered
+
+    def _lost_node(
+        self,
+        worker_group: WorkerGroup,
+        store: Any,
+        suspicion: dict[int, dict[str, Any]],
+        answered: dict[int, float],
+    ) -> RunResult | None:
+        """Several nodes: a rank of another node named missing, whose node's agent has not beaten
+        since (its node is lost: host, network or agent) and whose place no new agent took within
+        ``--node-wait`` (a new agent beats on the slot it claims): the job ends, naming the node.
+        Without this the live ranks' recoveries fail one after the other and this agent would
+        replace its own healthy workers as they give up."""
+        link = self._link
+        if link is None or link.slot is None:
+            return None
+        here = set(self._serves.values())
+        watched: set[int] = set()
+        self._lost_nodes = {}
+        try:
+            for rank, rec in suspicion.items():
+                if rank in here or _since(rec) < answered.get(rank, 0.0):
+                    continue
+                slot = link.node_of(rank)
+                if slot is None or slot.group_rank == link.slot.group_rank or slot.group_rank in watched:
+                    continue
+                watched.add(slot.group_rank)
+                silent = link.silent_for(slot.group_rank)
+                if silent >= nodes.STALE_AFTER:
+                    self._lost_nodes[slot.group_rank] = (slot, silent)
+        except Exception as exc:  # noqa: BLE001 - the rendezvous store is failing: the same agent hosts the job's
+            return self._store_lost(worker_group, exc)
+        for _, (slot, silent) in sorted(self._lost_nodes.items()):
+            if silent < nodes.STALE_AFTER + self._node_wait:
+                continue
+            self.verdict = (
+                f"{slot.named()} is lost: its agent has not answered for {silent:.0f} s and no new agent "
+                f"took its place within --node-wait {self._node_wait:g} s (start one with the same "
+                "--rdzv-endpoint and --rdzv-id to replace a lost node)"
+            )
+            self._say(self.verdict + "; stopping the job")
+            self._stop_workers(worker_group)
+            lr, rank = min(self._serves.items()) if self._serves else (0, worker_group.workers[0].global_rank)
+            ended = ProcessFailure(local_rank=lr, pid=os.getpid(), exitcode=1, error_file="")
+            return RunResult(state=WorkerState.FAILED, failures={rank: ended})
+        return None
+
+    def _kill_the_silent(
+        self, store: Any, suspicion: dict[int, dict[str, Any]], answered: dict[int, float]
+    ) -> None:
+        """A worker of this node that a live rank's timeout named missing, and that has not
+        answered since (``suspicion``, ``answered``: _read_suspects), is named in the story with
+        its process's state; still silent ``--kill-missing-after`` seconds later it is SIGKILLed,
+        and so replaced, while the live ranks wait for it in recover(). A process frozen for good
+        (SIGSTOP, a hung driver) would otherwise hold the job until their recovery fails. A
+        suspicion counts only if the rank has not answered since the op it names began (a rank
+        that was itself late, its deadline passed while it was stopped, names peers that have
+        long since moved on)."""
         for lr, rank in list(self._serves.items()):
             rec = suspicion.get(rank)
             ctx = self._contexts.get(lr)
@@ -502,7 +567,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         until the deadline), so they hear it from here, at once. (gloo's ops fail as soon as the
         dead rank's connections close; its groups ignore this.)"""
         world = (worker_group.workers[0].world_size if worker_group.workers else 0) - self._spares
-        notice = json.dumps({"kind": "death", **record})
+        notice = seal.seal_json({"kind": "death", **record})
         try:
             if not store.check([job.inboxes_key()]):
                 return  # the job had not started (its default group's name is written then)
@@ -536,8 +601,8 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         rank = self._serves.pop(lr)
         record = {"rank": rank, "how": how, "pid": failure.pid, "time": time.time()}
         try:
-            store.set(job.dead_key(rank), json.dumps(record))
-            store.append(job.deaths_key(), json.dumps(record) + "\n")
+            store.set(job.dead_key(rank), seal.seal_json(record))
+            store.append(job.deaths_key(), seal.seal_json(record) + "\n")
         except Exception as exc:  # noqa: BLE001 - torch's DistNetworkError and kin: the store is gone
             return self._store_lost(worker_group, exc, (rank, lr, failure))
         self._tell_the_living(worker_group, store, record)
@@ -553,6 +618,17 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         else:
             self._say(f"rank {rank} (local rank {lr}, pid {failure.pid}) died: {how}")
             self._deaths.append((time.monotonic(), rank, how))
+        if failure.exitcode > 0 and self._lost_nodes:
+            # A healthy rank that gave up on a recovery the lost node's ranks never came to: a
+            # replacement would wait for them too.
+            _, (slot, silent) = min(self._lost_nodes.items())
+            self.verdict = (
+                f"{slot.named()} is lost (its agent has not answered for {silent:.0f} s), and rank {rank} "
+                f"ended on it ({how}): not replaced"
+            )
+            self._say(self.verdict + "; stopping the job")
+            self._stop_workers(worker_group)
+            return RunResult(state=WorkerState.FAILED, failures={rank: failure})
         if failure.exitcode > 0:  # an exception: perhaps the script's own error (_settle_raised)
             self._raised.append(_Raised(time.monotonic(), lr, rank, failure))
             if self._replaced_errors.get(rank) == _error_of(failure):
@@ -696,7 +772,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             self._serves[spare] = rank
             self._serving_since[spare] = time.time()
             self._suspected.pop(spare, None)
-            store.set(job.spare_key(worker_group.workers[spare].global_rank), str(rank))
+            store.set(job.spare_key(worker_group.workers[spare].global_rank), seal.seal(str(rank)))
             self._say(f"rank {rank} goes to a waiting spare (local rank {spare})")
             return None
         if self._replacements_left > 0:
@@ -902,6 +978,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["FASTDIST_SPARES"] = str(args.spares)
     os.environ[job.LAUNCHER_ENV] = "1"  # the workers' errors may read the deaths recorded
     os.environ[job.AGENT_PID_ENV] = str(os.getpid())  # and they die with this process
+    # The job's secret: the records that act (faults, suspects, deaths, spares, joiners, layouts)
+    # are signed with it, and a record without it is ignored (fastdist.store.seal). It reaches
+    # the workers through their environment, never through the store.
+    if not os.environ.get(seal.SECRET_ENV):
+        if max_nodes == 1:
+            os.environ[seal.SECRET_ENV] = secrets.token_hex(32)
+        else:
+            print(
+                f"[fastdist run] {seal.SECRET_ENV} is not set: the job's store records are not signed, "
+                "and anything that reaches the store can abort, kill or steer this job's workers; set it "
+                "to the same value on every node (export FASTDIST_JOB_SECRET=$(openssl rand -hex 32))",
+                file=sys.stderr,
+                flush=True,
+            )
     # Where they show they are alive though busy (their heartbeat threads: _sign_of_life).
     heartbeats = tempfile.mkdtemp(prefix="fastdist-heartbeat-")
     os.environ[job.HEARTBEAT_DIR_ENV] = heartbeats
@@ -919,6 +1009,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             spares=args.spares,
             link=link,
             kill_missing_after=args.kill_missing_after,
+            node_wait=args.node_wait,
             **kw,
         )
         agents.append(agent)

@@ -42,6 +42,11 @@ class Slot:
     master_addr: str
     master_port: int
 
+    def named(self) -> str:
+        """``node 1 (ranks 4-7)``."""
+        last = self.base_rank + self.local_world_size - 1
+        return f"node {self.group_rank} (ranks {self.base_rank}-{last})"
+
 
 class NodeLink:
     """This agent's records in the rendezvous store (``slot`` is set for an agent that took a
@@ -53,6 +58,8 @@ class NodeLink:
         self.slot: Slot | None = None
         self._store: Any = None
         self._next_beat = 0.0
+        self._slots: dict[int, Slot] = {}  # other nodes' slots, read when first needed
+        self._beats: dict[int, tuple[int, float]] = {}  # node -> (its beat, when it last moved)
 
     def store(self, timeout: float = 30.0) -> Any:
         if self._store is None:
@@ -88,6 +95,32 @@ class NodeLink:
             return
         self._next_beat = time.monotonic() + BEAT_EVERY
         self.store().add(f"node/{self.slot.group_rank}/beat", 1)
+
+    def node_of(self, rank: int) -> Slot | None:
+        """The slot of the node that runs global rank ``rank`` (None if none recorded it)."""
+        if self.slot is None:
+            return None
+        for slot in self._slots.values():
+            if slot.base_rank <= rank < slot.base_rank + slot.local_world_size:
+                return slot
+        store = self.store()
+        for g in range(self.slot.group_world_size):
+            if g not in self._slots and store.check([f"node/{g}"]):
+                self._slots[g] = Slot(**json.loads(bytes(store.get(f"node/{g}"))))
+        for slot in self._slots.values():
+            if slot.base_rank <= rank < slot.base_rank + slot.local_world_size:
+                return slot
+        return None
+
+    def silent_for(self, group_rank: int) -> float:
+        """How long node ``group_rank``'s beat has not moved, as this agent has watched it (0.0
+        the first time it looks, and whenever the beat moved since the last look)."""
+        beat, now = int(self.store().add(f"node/{group_rank}/beat", 0)), time.monotonic()
+        seen = self._beats.get(group_rank)
+        if seen is None or seen[0] != beat:
+            self._beats[group_rank] = (beat, now)
+            return 0.0
+        return now - seen[1]
 
     def exit_barrier(self, timeout: float) -> bool:
         """Every slot's agent (the first or its replacement) arrives once: True when all did.
