@@ -484,6 +484,37 @@ def test_a_redone_step_starts_from_the_gradients_it_started_with_by_default() ->
     assert torch.equal(a.grad, torch.full((2,), 4.0)) and not kept.grads
 
 
+@pytest.mark.timeout(30)
+def test_a_shuffled_loader_without_its_loader_state_is_said_once() -> None:
+    """Issue 50: without LoaderState an Accelerate job with a shuffled loader spent all its
+    replacements (each broadcast the loader's RNG state alone) with nothing pointing to it. Now
+    fastdist.accelerate.step says so on the first step, once per loader; not for an unshuffled
+    one (no synchronized generator: what Accelerate prepares for one process or without
+    shuffle=True), nor once the loader's LoaderState is in state=."""
+    import warnings
+
+    from fastdist import accelerate as fa
+
+    class Loader:  # what the check reads of Accelerate's DataLoaderShard
+        def __init__(self, shuffled: bool) -> None:
+            self.rng_types = ["generator"] if shuffled else []
+            self.synchronized_generator = torch.Generator() if shuffled else None
+
+    class Acc:
+        def __init__(self, *loaders: Loader) -> None:
+            self._dataloaders = list(loaders)
+
+    shuffled, plain, handed = Loader(True), Loader(False), Loader(True)
+    acc = Acc(shuffled, plain, handed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            fa._hint_loader_state(acc, {"model": object(), "data": fa.LoaderState(handed)})
+    said = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert len(said) == 1, said
+    assert "Add fastdist.accelerate.LoaderState(loader) to state" in said[0], said
+
+
 UNWATCHED = """
 import sys, warnings, torch, torch.distributed as dist, fastdist
 with fastdist.fail_after(5):  # no group yet: nothing to say

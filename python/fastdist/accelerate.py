@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -127,6 +128,8 @@ def step(
     recover_seconds = positive_seconds(recover_timeout, "recover_timeout")
     start = _Start(accelerator, optimizers)
     on_retry = snapshot_at_start(snapshot, step_number, state)
+    if state is not None:
+        _hint_loader_state(accelerator, state)
 
     def attempt() -> T:
         with fail_after(seconds):
@@ -142,6 +145,36 @@ def step(
         on_retry=on_retry,
     )
     return result
+
+
+# The prepared loaders whose missing LoaderState was said (once per loader and process).
+_hinted: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _hint_loader_state(accelerator: Any, state: Any) -> None:
+    """Warns, once per loader, when ``state`` (what a replacement is handed) lacks the
+    :class:`LoaderState` of a shuffled loader the accelerator prepared: a replacement's iterator
+    would then broadcast Accelerate's RNG state alone, fail, and every replacement after it."""
+    if not isinstance(state, dict):
+        return
+    handed = {id(v.loader) for v in state.values() if isinstance(v, LoaderState)}
+    for loader in getattr(accelerator, "_dataloaders", ()):
+        if getattr(loader, "synchronized_generator", None) is None or id(loader) in handed:
+            continue
+        try:
+            if loader in _hinted:
+                continue
+            _hinted.add(loader)
+        except TypeError:  # (not weakly referable: said every step rather than never)
+            pass
+        warnings.warn(
+            "fastdist.accelerate.step: state= hands a replacement of a dead rank the model, but not the "
+            f"shuffle order of the loader {type(loader).__name__} the accelerator prepared: its iterator "
+            "would broadcast Accelerate's RNG state alone and fail, and so would every replacement after "
+            "it. Add fastdist.accelerate.LoaderState(loader) to state",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 class LoaderState:
