@@ -3,13 +3,14 @@
 #                (a worker SIGKILLed mid-step under fastdist run and replaced)
 #   make test    same set-up, then `make check` (lint, types, sanitizers), then the whole test suite
 #   make bench   same set-up, then bench/ (results in bench/results/)
+#   make docs    same set-up, then the documentation site (docs/) into build/site
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fastdist-installed
 SOURCES := pyproject.toml CMakeLists.txt $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null)
 
-.PHONY: setup demo check test bench clean
+.PHONY: setup demo check test bench docs clean
 
 setup: $(STAMP)
 
@@ -20,7 +21,7 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
 	# The test extra installs packages that depend on torch (Lightning, Accelerate): pinned to
 	# the torch already here, so that pip never swaps it for another build.
-	$(PY) -m pip install -q --no-build-isolation ".[test,bench,lint]" \
+	$(PY) -m pip install -q --no-build-isolation ".[test,bench,lint,docs]" \
 	  "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 	touch $@
 
@@ -33,7 +34,12 @@ check: setup
 	$(VENV)/bin/ruff check python tests bench
 	$(VENV)/bin/ruff format --check python tests bench
 	$(VENV)/bin/mypy
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
 	scripts/sanitize
+
+# The documentation site (docs/, mkdocs.yml) into build/site: open build/site/index.html.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 # Two workers: most of the suite's time is spent waiting for deadlines and processes.
 # The tests' CPU double of NCCL (tests/doubles, torch's cpp_extension) is built against this torch

@@ -1,5 +1,5 @@
 """Turns a pytest-benchmark JSON (``make bench`` writes bench/results/latest.json) into
-bench/results/summary.md (the tables the README shows) and bench/results/overview.png."""
+bench/results/summary.md (the tables docs/benchmarks.md shows) and bench/results/overview.png."""
 
 from __future__ import annotations
 

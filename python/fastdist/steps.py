@@ -224,7 +224,7 @@ def _split_message(done: reconcile.Reconciliation) -> str:
         f"{', '.join(f'rank {r}' for r in done.applied)} had applied an optimizer update that rank "
         f"{done.source} had not, and {what}. The step cannot be redone in place: a rank that got further "
         "is past the batch of the step it must redo. Keep the loop's position in state= and recover in "
-        "the loop itself (README: 'A worker that dies is replaced'), or restart the job from a checkpoint"
+        "the loop itself (docs/replacement.md), or restart the job from a checkpoint"
     )
 
 

@@ -432,7 +432,7 @@ def _records(size: int, raw: bytes) -> tuple[dict[int, dict[str, Any]], int]:
     for line in raw.decode(errors="replace").splitlines():
         rec: dict[str, Any] | None = keys.parse_record(line, _STATUS_FIELDS, "report status")
         if rec is None or rec["state"] not in _STATES or not 0 <= rec["rank"] < size:
-            invalid += 1  # not fastdist's: see the README's Security section
+            invalid += 1  # not fastdist's: see docs/security.md
             continue
         records.setdefault(rec["rank"], rec)
     return records, invalid
@@ -497,7 +497,7 @@ _SUMMARY_FIELDS: dict[str, type | tuple[type, ...]] = {
 
 def parse_summary(raw: bytes, size: int) -> dict[str, Any] | None:
     """A summary read from the store, or None when it is not one fastdist wrote for a group of
-    ``size`` ranks (the store has no authentication: see the README's Security section)."""
+    ``size`` ranks (the store has no authentication: see docs/security.md)."""
     s: dict[str, Any] | None = keys.parse_record(raw, _SUMMARY_FIELDS, "report summary")
     if s is None:
         return None

@@ -63,7 +63,7 @@ def parse_record(
     """A JSON record read from the store, or None when it is not one of fastdist's: not signed
     with the job's secret when it has one (fastdist.store.seal; ``what`` names the record in the
     warning), not JSON, not an object, or lacking one of ``fields`` (name -> expected type). The
-    store has no authentication of its own (see the README's Security section): whatever reads a
+    store has no authentication of its own (see docs/security.md): whatever reads a
     record checks it here before use, so that a stranger's or a corrupt value gives a clear
     error, never a crash, and changes nothing."""
     body = seal.opened(raw, what)

@@ -18,8 +18,8 @@ secret, handed to it when the deadline is armed.
 
 Not signed: the counters and arrival lists of the recovery's agreement and of growth, the
 generation counter, and torch's own keys. A forged write there can make a recovery fail or wait
-(an error, naming what is missing), not hand over a wrong state. See the README's Security
-section for the trust model.
+(an error, naming what is missing), not hand over a wrong state. See docs/security.md for the
+trust model.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def opened(raw: bytes | str, what: str) -> str | None:
         _warned.add(what)
         logger.warning(
             "fastdist: ignored a %s in the job's store that is not signed with this job's secret (%s): "
-            "something other than this job's processes wrote it (see the README's Security section)",
+            "something other than this job's processes wrote it (see docs/security.md)",
             what,
             SECRET_ENV,
         )

@@ -210,7 +210,7 @@ def run_etcd_checks(url: str, timeout: float) -> list[Check]:
         cause, took = rendezvous.probe(ip, port, timeout)
         if cause == "refused":
             checks.append(
-                Check("port", False, f"{where}: nothing is listening", "start etcd there (README: etcd)")
+                Check("port", False, f"{where}: nothing is listening", "start etcd there (docs/etcd.md)")
             )
             continue
         if cause == "unreachable":
