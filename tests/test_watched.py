@@ -73,6 +73,17 @@ def test_torch_distributed_calls_scopes_group_timeout_subgroups_and_device_mesh(
             assert bounds[name] - 0.1 <= rec["seconds"] < bounds[name] + 1.0, info
 
 
+def test_ctrl_c_before_ddp_issues_its_all_reduce_is_raised_when_it_does() -> None:
+    """Ctrl-C while the main thread computes a gradient in C++ and no op is in flight: the
+    all_reduce DDP issues next raises the KeyboardInterrupt at once."""
+    results = run_ranks(watched_ranks.ctrl_c_before_the_op, 2, absent=(1,), timeout=60)
+    info = describe(results)
+    r0 = results[0]
+    assert r0.returncode == 0, info
+    assert r0.record("interrupted")["after"] < 15.0, info  # not the group's 60 s
+    assert r0.record("dead")["default"] is True, info
+
+
 def test_ctrl_c_inside_ddp_backward_and_recv_then_a_prompt_exit() -> None:
     results = run_ranks(watched_ranks.watched_ctrl_c, 2, absent=(1,), timeout=60)
     info = describe(results)

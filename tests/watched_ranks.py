@@ -187,6 +187,33 @@ def watched_ctrl_c(ctx) -> None:
     ctx.record("dead", default=fastdist.is_dead(), sub=fastdist.is_dead(sub))
 
 
+def ctrl_c_before_the_op(ctx) -> None:
+    """2 ranks; rank 1 stays away. Rank 0's backward computes one large gradient (about a second
+    of C++: no Python runs) before DDP issues its one bucket's all_reduce, and Ctrl-C comes
+    during that computation, when no op is in flight: the all_reduce, issued after it, raises
+    the KeyboardInterrupt (it waited out the group's 60 s before, in a wait torch makes in C++)."""
+    ctx.init()
+    torch.manual_seed(0)
+    net = nn.Linear(1024, 1024, bias=False)
+    model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1024)
+    x = torch.randn(4096, 1024)
+    ctx.record("healthy")
+    if ctx.rank == 1:
+        ctx.wait_release()
+        return
+    loss = model(x).pow(2).sum()
+    t0 = time.monotonic()
+    (x @ net.weight).sum()  # (warm: the timer below must land in the backward's matmul)
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        loss.backward()
+        ctx.record("no_interrupt")
+    except KeyboardInterrupt:
+        ctx.record("interrupted", after=time.monotonic() - t0)
+    ctx.record("dead", default=fastdist.is_dead())
+
+
 def ctrl_c_rings_peers(ctx) -> None:
     """3 ranks; rank 2 stays away. Ranks 0 and 1 wait in one all_reduce (60 s); rank 0 gets
     Ctrl-C: rank 1 raises at once, saying rank 0 was interrupted, not a timeout."""

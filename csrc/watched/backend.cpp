@@ -184,6 +184,22 @@ template <typename Opts, typename Issue>
 c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue,
                                                    c10::ArrayRef<at::Tensor> ins) {
   refuse_if_dead(op);
+  if (auto interrupt = take_unclaimed_sigint()) {
+    // Ctrl-C came while this thread was in C++ before the op (an autograd backward): raised
+    // here, rather than after the op's whole deadline in a wait torch's C++ makes. This rank
+    // skips the op: the group is out of step, and the others are told.
+    if (ctl_->mark_dead(std::string(op) + " was interrupted on rank " + std::to_string(ctl_->rank) +
+                        " before it was issued")) {
+      FaultInfo fi;
+      fi.kind = FaultKind::kInterrupted;
+      fi.op = op;
+      fi.seq = ctl_->seq();
+      fi.detail = "interrupted (SIGINT)";
+      auto ctl = ctl_;
+      std::thread([ctl, fi]() { ctl->fault(fi); }).detach();
+    }
+    std::rethrow_exception(interrupt);
+  }
   if (ctl_->polled && capturing(ins, getBoundDeviceId())) {
     // A CUDA graph captures the op: it runs when the graph is replayed, which no backend sees,
     // and an event recorded in a capture cannot be queried. Issued as on plain NCCL, unwatched.

@@ -36,6 +36,9 @@ std::string signature_of(c10::ArrayRef<at::Tensor> ins);
 // signals.cpp: a waiter on the main thread runs Python's signal handlers every slice.
 constexpr Nanos kSlice = 100'000'000;  // 100 ms
 std::exception_ptr check_signals();
+// On the main thread, after a Ctrl-C that found no op in flight: Python's pending
+// KeyboardInterrupt, raised now (its handler runs here), or nullptr.
+std::exception_ptr take_unclaimed_sigint();
 
 // work.cpp: ops abandoned at their deadline, still in flight in the backend.
 std::atomic<std::int64_t>& abandoned();

@@ -18,6 +18,10 @@ namespace {
 std::atomic<unsigned long> g_main_thread{0};
 struct sigaction g_prev_sigint;
 sem_t g_sigint_sem;
+// A Ctrl-C that found no op in flight: the main thread may be in C++ (an autograd backward) and
+// about to issue one that torch's C++ then waits on, where Python's handler never runs. The next
+// op issued on the main thread checks Python's signals first (take_unclaimed_sigint).
+std::atomic<bool> g_sigint_unclaimed{false};
 
 void on_sigint(int sig, siginfo_t* info, void* context) {
   const int saved = errno;
@@ -34,6 +38,9 @@ void interrupt_loop() {
   for (;;) {
     while (sem_wait(&g_sigint_sem) != 0) {
     }
+    // Before the scan: an op issued during it is checked at its issue (harmless when Python's
+    // handler has run by then: nothing is pending).
+    g_sigint_unclaimed.store(true);
     for (auto& b : live_backends()) {
       auto ctl = b->ctl();
       std::vector<c10::intrusive_ptr<WatchedWork>> unwaited;
@@ -70,6 +77,13 @@ std::exception_ptr check_signals() {
 }
 
 void set_main_thread(unsigned long ident) { g_main_thread.store(ident); }
+
+std::exception_ptr take_unclaimed_sigint() {
+  if (!g_sigint_unclaimed.load(std::memory_order_relaxed)) return nullptr;
+  if (g_main_thread.load(std::memory_order_relaxed) != static_cast<unsigned long>(pthread_self())) return nullptr;
+  g_sigint_unclaimed.store(false);
+  return check_signals();  // (nullptr when Python has run its handler already)
+}
 
 void install_sigint_hook() {
   static std::once_flag once;
