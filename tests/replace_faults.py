@@ -20,9 +20,10 @@ tests/test_replace.py:
   one C call holding the GIL (its heartbeat thread cannot run: only its CPU time shows it is
   alive), then 6 s asleep (no CPU: only its heartbeat shows it); then it goes on (the agent must
   not kill it: a long evaluation or checkpoint write looks like this);
-- ``FAULT=forge``: rank 0 writes, at step 2, what only the job's processes may: unsigned (no
-  FASTDIST_JOB_SECRET tag) records naming rank 1 missing to the agent, and a timeout of another
-  rank's in the fault inboxes of ranks 1 and 2; every reader must ignore them (no abort, no kill);
+- ``FAULT=forge`` (or ``busy,forge``, both): rank 0 writes, at step 2, what only the job's
+  processes may: unsigned (no FASTDIST_JOB_SECRET tag) records naming rank 1 missing to the
+  agent, and a timeout of another rank's in the fault inboxes of ranks 1 and 2; every reader
+  must ignore them (no abort, no kill);
 - ``FAULT=agent-frozen``: the rank killed at ``--kill-step`` first SIGSTOPs the agent, which
   hosts the job's store (a frozen or lost node): the live ranks must still raise in time.
 """
@@ -39,6 +40,10 @@ import torch.distributed as dist
 from fastdist.examples import train_ddp
 
 fault = os.environ.get("FAULT", "")
+if fault == "busy,forge":  # both in one launch
+    fault, forge = "busy", True
+else:
+    forge = fault == "forge"
 out = sys.argv[sys.argv.index("--out") + 1]
 
 if fault == "joiner-mid-transfer":
@@ -114,7 +119,7 @@ if fault == "dies-and-freezes" and os.environ["RANK"] == "2":
 
     fastdist.fail_after = fail_after
 
-if fault == "forge" and os.environ["RANK"] == "0":
+if forge and os.environ["RANK"] == "0":
     import json
 
     import fastdist
