@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -16,6 +17,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# A rank behaves as a process started from a terminal: a suite started in the background by a
+# non-interactive shell hands its children SIGINT ignored, and Python then installs no
+# KeyboardInterrupt handler (the Ctrl-C tests would wait out their deadlines).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from mp import RECORD_PREFIX, RELEASE_KEY
 
