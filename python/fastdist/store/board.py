@@ -171,7 +171,7 @@ def post_status(seat: Seat, record: dict[str, Any]) -> bool:
         return False
     if _posted_natively(seat):  # C++ posted it at the deadline, while Python could not run
         return False
-    seat.store.append(f"{seat.prefix}/status", seal.seal(json.dumps(record)) + "\n")
+    seat.store.append(f"{seat.prefix}/status", seal.seal_json(record) + "\n")
     if seat.store.add(f"{seat.prefix}/count", 1) < seat.size:
         return False
     return _close(seat, "all")
@@ -310,7 +310,7 @@ def announce(seat: Seat, op: str, seq: int, state: str, dead: str | None = None)
     me = seat.status(op, seq, state, **more)
 
     def work(_abandoned: threading.Event) -> None:
-        mine = seal.seal(json.dumps(me))
+        mine = seal.seal_json(me)
         if seat.store.compare_set(f"{seat.prefix}/fault", "", mine) == mine.encode():
             ring_group(seat, me)
 
@@ -344,7 +344,7 @@ def report(
     span = later + window(budget, seat.size)
 
     def work(_abandoned: threading.Event) -> dict[str, Any]:  # (late posts to a closed board are harmless)
-        mine = seal.seal(json.dumps(me))
+        mine = seal.seal_json(me)
         again = None
         claim = None if rung else bytes(store.compare_set(f"{prefix}/fault", "", mine))
         if claim is not None and (claim == mine.encode() or _claimed_in_cpp(claim, me)):

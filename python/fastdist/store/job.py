@@ -253,13 +253,13 @@ def start_heartbeat() -> None:
     path = heartbeat_file(folder, os.getpid())
 
     def beat() -> None:
-        while True:
-            try:
-                with open(path, "a"):
-                    os.utime(path)
-            except OSError:
-                return  # the agent removed its folder: it is ending
-            time.sleep(HEARTBEAT_EVERY)
+        try:
+            open(path, "a").close()
+            while True:
+                os.utime(path)
+                time.sleep(HEARTBEAT_EVERY)
+        except OSError:
+            return  # the agent removed its folder: it is ending
 
     thread = threading.Thread(target=beat, name=f"fastdist-heartbeat-{os.getpid()}", daemon=True)
     thread.start()

@@ -374,7 +374,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             if read is not None and math.isfinite(self._kill_missing_after):
                 self._kill_the_silent(*read)
             if read is not None and self._link is not None:
-                verdict = self._lost_node(worker_group, *read)
+                verdict = self._lost_node(worker_group, *read[1:])
                 if verdict is not None:
                     return verdict
         running = [lr for lr in self._contexts if self._contexts[lr].wait(0) is None]
@@ -418,11 +418,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         return store, suspicion, answered
 
     def _lost_node(
-        self,
-        worker_group: WorkerGroup,
-        store: Any,
-        suspicion: dict[int, dict[str, Any]],
-        answered: dict[int, float],
+        self, worker_group: WorkerGroup, suspicion: dict[int, dict[str, Any]], answered: dict[int, float]
     ) -> RunResult | None:
         """Several nodes: a rank of another node named missing, whose node's agent has not beaten
         since (its node is lost: host, network or agent) and whose place no new agent took within
@@ -451,17 +447,26 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         for _, (slot, silent) in sorted(self._lost_nodes.items()):
             if silent < nodes.STALE_AFTER + self._node_wait:
                 continue
-            self.verdict = (
+            lr, rank = min(self._serves.items()) if self._serves else (0, worker_group.workers[0].global_rank)
+            return self._end_job(
+                worker_group,
                 f"{slot.named()} is lost: its agent has not answered for {silent:.0f} s and no new agent "
                 f"took its place within --node-wait {self._node_wait:g} s (start one with the same "
-                "--rdzv-endpoint and --rdzv-id to replace a lost node)"
+                "--rdzv-endpoint and --rdzv-id to replace a lost node)",
+                rank,
+                ProcessFailure(local_rank=lr, pid=os.getpid(), exitcode=1, error_file=""),
             )
-            self._say(self.verdict + "; stopping the job")
-            self._stop_workers(worker_group)
-            lr, rank = min(self._serves.items()) if self._serves else (0, worker_group.workers[0].global_rank)
-            ended = ProcessFailure(local_rank=lr, pid=os.getpid(), exitcode=1, error_file="")
-            return RunResult(state=WorkerState.FAILED, failures={rank: ended})
         return None
+
+    def _end_job(
+        self, worker_group: WorkerGroup, verdict: str, rank: int, failure: Any, said: str = "stopping the job"
+    ) -> RunResult:
+        """Ends the job on one of the agent's rules: ``verdict`` is its last line (``said`` follows
+        it in the story), this node's workers are stopped, and ``failure`` is ``rank``'s."""
+        self.verdict = verdict
+        self._say(f"{verdict}; {said}")
+        self._stop_workers(worker_group)
+        return RunResult(state=WorkerState.FAILED, failures={rank: failure})
 
     def _kill_the_silent(
         self, store: Any, suspicion: dict[int, dict[str, Any]], answered: dict[int, float]
@@ -503,7 +508,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                     continue
                 if self._suspected.get(lr) == math.inf:
                     self._suspected.pop(lr)  # joined: the rule applies from now on
-            life = self._sign_of_life(lr, pid)
+            life = self._sign_of_life(pid)
             if life is not None and self._suspected.get(lr) != math.inf:
                 # Busy in user code (an evaluation, a loader wait, a checkpoint write), not frozen:
                 # its peers' recovery waits for it; killing it would lose its work and a
@@ -533,22 +538,21 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                     os.kill(pid, signal.SIGKILL)
                 self._suspected[lr] = math.inf  # said and done: its death comes through ctx.wait
 
-    def _sign_of_life(self, lr: int, pid: int) -> str | None:
-        """Why worker ``pid`` (local rank ``lr``) is busy rather than frozen, in words, or None:
+    def _sign_of_life(self, pid: int) -> str | None:
+        """Why worker ``pid`` is busy rather than frozen, in words, or None:
         its heartbeat thread answers (fastdist.store.job.start_heartbeat), or its process used
         CPU since the agent's last look (a long C call holding the GIL stops the heartbeat, not
         the CPU). A stopped process shows neither."""
-        cpu, now = _cpu_seconds(pid), time.monotonic()
+        fields, now = _stat_fields(pid), time.monotonic()
+        if fields is None or fields[0] in ("T", "t"):  # gone, or stopped
+            return None
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # user + system
         before = self._cpu_seen.get(pid)
-        if cpu is None:
-            return None
         self._cpu_seen[pid] = (cpu, now)
-        if _process_state(pid).startswith("stopped"):
-            return None
         folder = os.environ.get(job.HEARTBEAT_DIR_ENV, "")
         # A main thread in uninterruptible sleep (a hung driver) is stuck whatever its
         # heartbeat thread does: only CPU counts then.
-        if folder and not _process_state(pid).startswith("in uninterruptible"):
+        if folder and fields[0] != "D":
             try:
                 age = time.time() - os.stat(job.heartbeat_file(folder, pid)).st_mtime
             except OSError:
@@ -622,13 +626,13 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             # A healthy rank that gave up on a recovery the lost node's ranks never came to: a
             # replacement would wait for them too.
             _, (slot, silent) = min(self._lost_nodes.items())
-            self.verdict = (
+            return self._end_job(
+                worker_group,
                 f"{slot.named()} is lost (its agent has not answered for {silent:.0f} s), and rank {rank} "
-                f"ended on it ({how}): not replaced"
+                f"ended on it ({how}): not replaced",
+                rank,
+                failure,
             )
-            self._say(self.verdict + "; stopping the job")
-            self._stop_workers(worker_group)
-            return RunResult(state=WorkerState.FAILED, failures={rank: failure})
         if failure.exitcode > 0:  # an exception: perhaps the script's own error (_settle_raised)
             self._raised.append(_Raised(time.monotonic(), lr, rank, failure))
             if self._replaced_errors.get(rank) == _error_of(failure):
@@ -650,20 +654,18 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         how = (
             "exited 0" if failure is None else f"ended with an exception ({describe_exit(failure.exitcode)})"
         )
-        self.verdict = (
+        verdict = (
             f"rank {rank}'s replacement (local rank {lr}, pid {pid}) {how} without having joined the "
             "job: the script never calls fastdist.sync_state(state), so the replacement would train "
             "alone and its results would not be the job's. Call fastdist.sync_state(state) after "
             "building the model and before the first step (fastdist.accelerate and fastdist.lightning "
             "call it for you)"
         )
-        self._say(self.verdict + "; no replacement; stopping the job")
-        self._stop_workers(worker_group)
+        ended = failure or ProcessFailure(local_rank=lr, pid=pid, exitcode=0, error_file="")
+        result = self._end_job(worker_group, verdict, rank, ended, said="no replacement; stopping the job")
         if failure is not None:
             self._show_error(f"rank {rank}'s replacement's error (pid {pid})", failure)
-        else:
-            failure = ProcessFailure(local_rank=lr, pid=pid, exitcode=0, error_file="")
-        return RunResult(state=WorkerState.FAILED, failures={rank: failure})
+        return result
 
     def _store_lost(
         self, worker_group: WorkerGroup, exc: BaseException, ended: tuple[int, int, Any] | None = None
@@ -795,23 +797,23 @@ def _since(rec: dict[str, Any]) -> float:
     return float(since) if isinstance(since, (int, float)) else float(rec["time"])
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """The user and system CPU time process ``pid`` has used (all its threads), from /proc."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """Process ``pid``'s /proc/PID/stat after its name: [0] its state, [11] and [12] its user
+    and system CPU ticks (all its threads); None when it is gone or unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+    except (OSError, IndexError):
         return None
+    return fields if len(fields) > 12 and fields[11].isdigit() and fields[12].isdigit() else None
 
 
 def _process_state(pid: int) -> str:
     """What /proc says process ``pid`` is doing, in words."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    fields = _stat_fields(pid)
+    if fields is None:
         return "gone or unreadable"
+    state = fields[0]
     return {
         "T": "stopped (SIGSTOP or a debugger)",
         "t": "stopped by a debugger",

@@ -48,6 +48,10 @@ class Slot:
         return f"node {self.group_rank} (ranks {self.base_rank}-{last})"
 
 
+def _read_slot(store: Any, group_rank: int) -> Slot:
+    return Slot(**json.loads(bytes(store.get(f"node/{group_rank}"))))
+
+
 class NodeLink:
     """This agent's records in the rendezvous store (``slot`` is set for an agent that took a
     dead node's place)."""
@@ -100,17 +104,14 @@ class NodeLink:
         """The slot of the node that runs global rank ``rank`` (None if none recorded it)."""
         if self.slot is None:
             return None
-        for slot in self._slots.values():
-            if slot.base_rank <= rank < slot.base_rank + slot.local_world_size:
-                return slot
-        store = self.store()
-        for g in range(self.slot.group_world_size):
-            if g not in self._slots and store.check([f"node/{g}"]):
-                self._slots[g] = Slot(**json.loads(bytes(store.get(f"node/{g}"))))
-        for slot in self._slots.values():
-            if slot.base_rank <= rank < slot.base_rank + slot.local_world_size:
-                return slot
-        return None
+        if not any(s.base_rank <= rank < s.base_rank + s.local_world_size for s in self._slots.values()):
+            store = self.store()  # (read once per node: a slot does not change)
+            for g in range(self.slot.group_world_size):
+                if g not in self._slots and store.check([f"node/{g}"]):
+                    self._slots[g] = _read_slot(store, g)
+        return next(
+            (s for s in self._slots.values() if s.base_rank <= rank < s.base_rank + s.local_world_size), None
+        )
 
     def silent_for(self, group_rank: int) -> float:
         """How long node ``group_rank``'s beat has not moved, as this agent has watched it (0.0
@@ -157,7 +158,7 @@ class NodeLink:
             for g in range(nodes):
                 if int(store.add(f"node/{g}/beat", 0)) != before[g] or not store.check([f"node/{g}"]):
                     continue  # alive, or not recorded yet (the first start is still under way)
-                slot = Slot(**json.loads(bytes(store.get(f"node/{g}"))))
+                slot = _read_slot(store, g)
                 if local_world_size is not None and slot.local_world_size != local_world_size:
                     raise SystemExit(
                         f"fastdist run: node {g} is gone, but it ran {slot.local_world_size} workers and "
