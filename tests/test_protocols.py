@@ -456,3 +456,49 @@ def test_forged_joiners_and_ddp_layouts_do_not_shape_a_recovery(monkeypatch: pyt
     forged = json.dumps({"key": "x", "layouts": [{"params": [], "buckets": [[1], [0]]}]})
     assert keys.parse_record(forged, rec._LAYOUT_FIELDS) is None
     assert keys.parse_record(seal.seal(forged), rec._LAYOUT_FIELDS) is not None
+
+
+def test_a_peers_fault_read_just_before_a_recovery_does_not_end_the_rebuilt_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The listener reads a peer's fault of generation g; while it applies it, this rank's
+    recovery (another thread) moves the group to g + 1 and rebuilds its backends in place. The
+    fault must land on generation g's backends (which the rebuild revives) or on none, never on
+    the rebuilt ones: it would abort the new generation's first op (a CI failure of
+    test_twenty_timeout_recover_cycles...: "rank 0 timed out in barrier #2 and aborted group
+    'default' while this rank was in no op on it", raised by the next generation's all_gather)."""
+    from fastdist.diagnostics import listener
+    from fastdist.groups import registry
+
+    store = dist.HashStore()
+    st = _rank(store, 1, 2, name="g-race")
+    st.generation = 9
+    events: list[str] = []
+
+    def recovery() -> None:  # recover.py's order: the generation, then the in-place rebuild
+        st.generation = 10
+        events.append("rebuilt")
+
+    rebuild = threading.Thread(target=recovery)
+
+    class Backend:
+        ctl = st.ctl
+
+        def inflight_ops(self) -> list[Any]:
+            rebuild.start()  # the recovery runs while the fault is being applied
+            rebuild.join(0.5)
+            return []
+
+        def fail_remote(self, detail: str, reason: str) -> bool:
+            events.append("failed")
+            return False
+
+    pg = object()
+    monkeypatch.setattr(registry, "watched_groups", lambda: [pg])
+    monkeypatch.setattr(registry, "backends_of", lambda _pg: [Backend()])
+    monkeypatch.setattr(pgstate, "state_of", lambda _pg: st)
+    fault = {"kind": "fault", "group": "g-race", "gen": 9, "root": 0, "rank": 0, "op": "barrier", "seq": 2}
+    raw = json.dumps({**fault, "state": "timed_out", "t": 1.0}).encode()
+    listener._handle(store, fault, raw)
+    rebuild.join(10)
+    assert events == ["failed", "rebuilt"], events

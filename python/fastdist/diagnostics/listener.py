@@ -179,32 +179,39 @@ def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
         st = pgstate.state_of(pg)
         if st.name != fault["group"] or st.generation != fault["gen"]:
             continue
-        record = raw.decode() if isinstance(raw, bytes) else str(raw)
-        for child in st.ring_children(fault["root"], ring.dead_of(fault)):
-            ring.deliver(store, child, record)
-        backends = registry.backends_of(pg)
-        inflight = sorted((op for b in backends for op in b.inflight_ops()), key=lambda o: o[1])
-        seat = dataclasses.replace(st.seat(), store=store)
-        if inflight:
-            op, seq, thread, _start = inflight[0]
-            status = seat.status(op, seq, "in_op", stack=stacks.stack_of(thread))
-        else:
-            status = seat.status("", 0, "elsewhere", stack=stacks.stack_of(stacks.issuer(backends)))
-        if board.post_status(seat, status):
-            # This rank's post completed the board: it publishes the summary, before it ends its
-            # ops (ending one can run that op's own report, which waits for the summary, here).
-            board.publish(seat)
-        verb = {"timed_out": "timed out in", "interrupted": "was interrupted (KeyboardInterrupt) in"}.get(
-            str(fault.get("state")), "failed in"
-        )
-        reason = (
-            f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']}{verdict.gil_note(fault)} and aborted "
-            f"group {st.name!r} while this rank was in no op on it"
-        )
-        if isinstance(fault.get("dead"), str):
-            reason = f"{fault['dead']}; {reason}"
-        for b in backends:
-            b.fail_remote(seal.opened(record, "fault record") or "{}", reason)  # (the record itself)
-        if not inflight:  # (an op in flight counts its fault where it fails: fastdist.ops.watching)
-            st.mark_dead(reason)
-            events.emit("abort", st.my_global_rank, st.name, st.generation, str(fault["op"]), reason=reason)
+        with st.generation_lock:  # a recovery rebuilding the group in place waits, or is not news
+            if st.generation == fault["gen"]:
+                _apply(store, st, pg, fault, raw)
+
+
+def _apply(store: Any, st: Any, pg: Any, fault: dict[str, Any], raw: bytes) -> None:
+    """Applies a peer's fault to ``pg`` (of the fault's generation, held there)."""
+    record = raw.decode() if isinstance(raw, bytes) else str(raw)
+    for child in st.ring_children(fault["root"], ring.dead_of(fault)):
+        ring.deliver(store, child, record)
+    backends = registry.backends_of(pg)
+    inflight = sorted((op for b in backends for op in b.inflight_ops()), key=lambda o: o[1])
+    seat = dataclasses.replace(st.seat(), store=store)
+    if inflight:
+        op, seq, thread, _start = inflight[0]
+        status = seat.status(op, seq, "in_op", stack=stacks.stack_of(thread))
+    else:
+        status = seat.status("", 0, "elsewhere", stack=stacks.stack_of(stacks.issuer(backends)))
+    if board.post_status(seat, status):
+        # This rank's post completed the board: it publishes the summary, before it ends its
+        # ops (ending one can run that op's own report, which waits for the summary, here).
+        board.publish(seat)
+    verb = {"timed_out": "timed out in", "interrupted": "was interrupted (KeyboardInterrupt) in"}.get(
+        str(fault.get("state")), "failed in"
+    )
+    reason = (
+        f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']}{verdict.gil_note(fault)} and aborted "
+        f"group {st.name!r} while this rank was in no op on it"
+    )
+    if isinstance(fault.get("dead"), str):
+        reason = f"{fault['dead']}; {reason}"
+    for b in backends:
+        b.fail_remote(seal.opened(record, "fault record") or "{}", reason)  # (the record itself)
+    if not inflight:  # (an op in flight counts its fault where it fails: fastdist.ops.watching)
+        st.mark_dead(reason)
+        events.emit("abort", st.my_global_rank, st.name, st.generation, str(fault["op"]), reason=reason)

@@ -126,6 +126,7 @@ class GroupState:
         "began",
         "checks_seq",
         "ctl",
+        "generation_lock",
         "global_ranks",
         "is_default",
         "lineage",
@@ -195,6 +196,9 @@ class GroupState:
     def _begin(self, lineage: Lineage) -> None:
         """The part of the record that fastdist keeps, not torch's group."""
         self.lineage = lineage
+        # Held while the generation changes, and by a peer's fault while it is applied: a fault
+        # of the old generation read just before a recovery must not end the new one's ops.
+        self.generation_lock = threading.RLock()
         self._generation = lineage.generation
         # When this generation began (time.time()): a death recorded before it is not news to it.
         self.began = time.time()
@@ -218,8 +222,9 @@ class GroupState:
 
     @generation.setter
     def generation(self, value: int) -> None:
-        self._generation = value
-        self.began = time.time()
+        with self.generation_lock:
+            self._generation = value
+            self.began = time.time()
         _generation_began(self)
 
     def begin(self, op: str) -> int:
