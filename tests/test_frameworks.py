@@ -433,6 +433,58 @@ def test_fabric_fsdp2_under_fastdist_run_replaces_a_killed_worker_from_a_snapsho
         assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"][skipped:])) <= 1e-6, rank
 
 
+@pytest.mark.timeout(150)
+def test_hugging_face_trainer_survives_a_stall_and_two_deaths_equal_to_an_undisturbed_run(
+    tmp_path: Path,
+) -> None:
+    """fastdist.transformers.Trainer (a tiny GPT-2 from its config, accumulation 2, a linear LR
+    schedule, the Trainer's shuffled sampler, logging, evaluation and saving) under fastdist run:
+    rank 1 stalls in step 3 (recovered in place, the step redone once), rank 2 is SIGKILLed in step
+    6 and its replacement SIGKILLed in the evaluation after step 8 (the second replacement joins
+    the live ranks' redo of that evaluation). Every rank ends with the parameters and momentum of
+    an undisturbed run (0.0: the same reduction order) and the same evaluations."""
+    out = tmp_path / "out"
+    out.mkdir()
+    text = _launch(_fastdist_run("trainer_job.py", out), 140)
+    started = _replacements(text)
+    assert len(started) == 2 and all("rank 2:" in s for s in started), text[-4000:]
+    assert "rank 1 never arrived" in text, text[-4000:]  # the stall was real
+    for rank in range(3):
+        clean = torch.load(out / f"rank{rank}-undisturbed.pt", weights_only=False)
+        got = torch.load(out / f"rank{rank}-faulted.pt", weights_only=False)
+        assert got["joined"] == (8 if rank == 2 else None), (rank, got["joined"])
+        assert (got["pid"] == clean["pid"]) == (rank != 2), rank  # the live ranks never restarted
+        assert got["world"] == 3 and got["optimizer_steps"] == clean["optimizer_steps"] == 10, rank
+        assert _largest_difference(clean, got) == 0.0, (rank, _largest_difference(clean, got))
+        assert got["lr"] == clean["lr"] and got["evals"] == clean["evals"] and len(clean["evals"]) == 3
+        # Each step exactly once, plus one redo each of steps 3 and 6 (2 micro-batches each); the
+        # last replacement ran steps 8 and 9.
+        assert got["calls"] == (4 if rank == 2 else 24), (rank, got["calls"])
+        # The loss logged at step 8 had the dead rank's share, lost with it; the others are equal.
+        differ = [i for i, (a, b) in enumerate(zip(got["losses"], clean["losses"])) if a != b]
+        assert len(got["losses"]) == len(clean["losses"]) == 5 and differ in ([], [3]), (rank, differ)
+    assert (out / "trainer-faulted" / "checkpoint-10").is_dir()
+
+
+@pytest.mark.timeout(30)
+def test_a_trainer_of_an_untested_transformers_release_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fastdist.transformers replaces the Trainer's private _run_epoch: on a release it was not
+    checked against, the Trainer refuses to be made, naming the ones it was; bad arguments are
+    named too."""
+    import fastdist.transformers as fdt
+    import transformers
+
+    fdt.check_release()  # the installed one (tests: 5.25) is tested
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    with pytest.raises(RuntimeError, match=r"checked against transformers 5\.25; this is 5\.99\.0"):
+        fdt.Trainer(model=torch.nn.Linear(1, 1), step_timeout=5)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="step_timeout must be positive"):
+        fdt.Trainer(model=torch.nn.Linear(1, 1), step_timeout=0)
+    with pytest.raises(TypeError, match="max_retries must be an int"):
+        fdt.Trainer(model=torch.nn.Linear(1, 1), step_timeout=5, max_retries=1.5)
+
+
 @pytest.mark.timeout(30)
 def test_run_step_arguments_and_a_step_that_already_updated_is_not_redone() -> None:
     p = torch.nn.Parameter(torch.ones(2))
