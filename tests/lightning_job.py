@@ -16,7 +16,9 @@ epoch: the training data shrinks to 5 optimizer steps an epoch, shuffled), once 
 setting, and the replacement ``fastdist run`` starts skips the fits its rank already finished.
 Without dropout: a replacement cannot draw the masks the dead rank would have. With ``--fsdp2``
 the strategy keeps a copy of each rank's shards on another rank (``snapshot_copies=1``), taken at
-every optimizer step's start, which the replacement gets.
+every optimizer step's start, which the replacement gets. ``--in-snapshot`` (with ``--fsdp2``):
+rank 2 dies inside the exchange of that snapshot at step 7's start instead, after its copy was
+sent and its neighbours' received, as it enters the exchange's closing barrier.
 
     python -m fastdist.run --nproc-per-node 3 tests/lightning_job.py --out DIR --accum 1 2 --kill
 """
@@ -86,6 +88,29 @@ class Net(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def die_in_the_snapshot_exchange(marker: str) -> None:
+    """Rank 2 SIGKILLs itself in the exchange of step KILL_STEP's snapshot (once: ``marker``),
+    after its part completed (its copy sent, its neighbours' received), at the closing barrier."""
+    from fastdist.recovery.snapshot import PeerSnapshot
+
+    real = PeerSnapshot._post
+
+    def _post(self: Any, epoch: int) -> Any:
+        post = real(self, epoch)
+
+        def dying(issue: Any) -> Any:
+            pending = self._pending
+            if pending and pending[0] == KILL_STEP and self.rank == 2 and not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(0.5)  # (its sends drain)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return post(issue)
+
+        return dying
+
+    PeerSnapshot._post = _post  # type: ignore[method-assign]
+
+
 def data(n: int, seed: int, shuffle: bool = False) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
@@ -150,6 +175,9 @@ def main() -> None:
     p.add_argument("--fsdp2", action="store_true", help="FSDP2: fastdist.lightning.ModelParallelStrategy")
     p.add_argument("--kill", action="store_true", help="rank 2 is SIGKILLed (under fastdist run)")
     p.add_argument(
+        "--in-snapshot", action="store_true", help="with --kill --fsdp2: in the snapshot's exchange"
+    )
+    p.add_argument(
         "--only",
         choices=("undisturbed", "disturbed"),
         default=None,
@@ -168,6 +196,8 @@ def main() -> None:
                 os.path.join(args.out, f"rank{rank}-accum{accum}-{run}.pt")
             ):
                 continue  # a replacement: this rank's earlier process finished that fit
+            if marker and args.in_snapshot and stall:  # the disturbed fit only
+                die_in_the_snapshot_exchange(marker)
             result = fit(accum, stall, args.steps, args.fsdp2, marker)
             path = os.path.join(args.out, f"rank{result['rank']}-accum{accum}-{run}.pt")
             torch.save(result, path)

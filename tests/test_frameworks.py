@@ -155,16 +155,28 @@ def test_trainer_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(150)
-def test_trainer_fsdp2_with_snapshot_copies_replaces_a_killed_worker(tmp_path: Path) -> None:
+def test_trainer_fsdp2_with_snapshot_copies_replaces_a_worker_killed_in_the_snapshot_exchange(
+    tmp_path: Path,
+) -> None:
     """ModelParallelStrategy(snapshot_copies=1), the model sharded with FSDP2: rank 2 SIGKILLs
-    itself at global step 7 (second epoch, shuffled); the replacement gets its predecessor's
-    shards from the copy another rank holds (taken at the step's start), every rank redoes step 7
-    from there, and the job ends equal to an undisturbed run (a launch of its own: each fit makes
-    groups of its own, see tests/lightning_job.py --only). Without the copies the replacement is
-    refused at set-up (test_an_fsdp2_replacement_is_refused_at_set_up)."""
+    itself at global step 7 (second epoch, shuffled) inside the exchange of that step's snapshot
+    (its copy sent, at the closing barrier: the live ranks' exchange fails; it escaped the step as
+    GroupAbortedError before). The recovery uses the step's snapshot, whose copies are all on live
+    ranks, the replacement gets its predecessor's shards from it, every rank redoes step 7, and
+    the job ends equal to an undisturbed run (a launch of its own: each fit makes groups of its
+    own, see tests/lightning_job.py --only). A death inside the step is the Fabric test's below.
+    Without the copies the replacement is refused at set-up
+    (test_an_fsdp2_replacement_is_refused_at_set_up)."""
     out = tmp_path / "out"
     out.mkdir()
-    flags = ("--accum", "1", "--fsdp2", "--kill", "--only")  # (--kill: its data in both fits)
+    flags = (
+        "--accum",
+        "1",
+        "--fsdp2",
+        "--kill",
+        "--in-snapshot",
+        "--only",
+    )  # (--kill: its data in both fits)
     _launch(_fastdist_run("lightning_job.py", out, *flags, "undisturbed"), 120)
     text = _launch(_fastdist_run("lightning_job.py", out, *flags, "disturbed"), 120)
     started = _replacements(text)

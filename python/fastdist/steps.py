@@ -132,8 +132,11 @@ def redo_after_fault(
     returns its result and how many times it was redone. ``snapshot``: a PeerSnapshot of
     ``state`` taken at this step's start (a replacement of a dead rank then gets its shards)."""
     failures = 0
+    take = getattr(on_retry, "take", None)  # a step's snapshot of its start: part of the attempt
     while True:
         try:
+            if take is not None:
+                take()
             with start:
                 return attempt(), failures
         except FastdistError as err:
@@ -180,13 +183,50 @@ def _recover_again_after_handover_faults(
             )
 
 
+class _SnapshotAtStart:
+    """A step's snapshot of its start (see :func:`snapshot_at_start`): :meth:`take` before each
+    attempt, inside ``redo_after_fault``'s retry (a rank dying in the exchange is one more fault);
+    called after a recovery, the check that it rolled back to this step's start if at all."""
+
+    def __init__(self, snapshot: PeerSnapshot, step: int) -> None:
+        self.snapshot, self.step = snapshot, step
+
+    def take(self) -> None:
+        # Not again where it is the latest already (a replacement joining the live ranks' redo
+        # of this step restored it, or a recovery rolled back to it and took it afresh).
+        if self.snapshot.sharded and self.step != self.snapshot.latest():
+            self.snapshot.take(self.step)
+
+    def __call__(self) -> None:
+        restored = self.snapshot.restored_step
+        if restored is None or restored == self.step:
+            return
+        import torch.distributed as dist
+
+        raise RecoveryError(
+            group="default",
+            rank=dist.get_rank() if dist.is_initialized() else -1,
+            generation=-1,
+            reason=(
+                f"the recovery rolled back to the snapshot of step {restored}, and the loop is at step "
+                f"{self.step}: a rank died before its copy of this step's start reached the rank that "
+                "keeps it (the snapshot's exchange was cut short), so that state exists nowhere. "
+                "Restart the job from a checkpoint (fastdist.load_checkpoint)"
+            ),
+            missing_ranks=None,
+            retryable=False,
+        )
+
+
 def snapshot_at_start(snapshot: Any, step: object, state: Any) -> Callable[[], None] | None:
     """For a step redone from a :class:`fastdist.PeerSnapshot` of its start (``snapshot``, of
-    ``state``, at step number ``step``): takes the snapshot now, on every rank before the step runs
-    (not again where it is the latest already: a replacement joining the live ranks' redo of this
-    step restored it), and returns the check, for ``redo_after_fault``'s ``on_retry``, that a
-    recovery rolled back to this step's start if it rolled back at all (the loop cannot go back
-    further). The arguments are checked first, under the names the callers take them by."""
+    ``state``, at step number ``step``): the snapshot of the step's start, which
+    ``redo_after_fault`` takes before each attempt (a rank dying in its exchange is a fault like
+    any other: recovered, and a replacement joins; the copies of the dead rank that reached the
+    ranks keeping them are used), and, as its ``on_retry``, the check that a recovery rolled back
+    to this step's start if it rolled back at all (the loop cannot go back further:
+    :class:`~fastdist.RecoveryError`). The arguments are checked first, under the names the callers
+    take them by."""
     if snapshot is None:
         return None
     if isinstance(step, bool) or not isinstance(step, int):
@@ -197,20 +237,7 @@ def snapshot_at_start(snapshot: Any, step: object, state: Any) -> Callable[[], N
         raise TypeError(f"snapshot must be a fastdist.PeerSnapshot, got {type(snapshot).__name__}")
     if state is None:
         raise ValueError("snapshot needs state= (the state it copies, handed to a replacement)")
-    if snapshot.sharded and step != snapshot.latest():
-        snapshot.take(step)
-
-    def check() -> None:
-        restored = snapshot.restored_step
-        if restored is None or restored == step:
-            return
-        raise RuntimeError(
-            f"fastdist: the recovery rolled back to the snapshot of step {restored}, and the loop is at "
-            f"step {step}: the snapshot of this step's start did not reach every rank (a rank died while "
-            "it was taken). Restart the job from a checkpoint"
-        )
-
-    return check
+    return _SnapshotAtStart(snapshot, step)
 
 
 def _split_message(done: reconcile.Reconciliation) -> str:

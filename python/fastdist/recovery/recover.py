@@ -682,12 +682,12 @@ def _roll_back(
     gathered: list[Any] = [None] * st.size
     try:
         with fail_at(deadline):
-            dist.all_gather_object(gathered, (snapshot.holdings(), snapshot.counted()), group=pg)
+            dist.all_gather_object(gathered, snapshot.holdings(), group=pg)
     except FastdistError as exc:
         raise fail(f"agreeing on a snapshot failed: {exc}") from None
     live = [r for r in range(st.size) if r not in joiners]
-    everyone = [held for held, _ in gathered]
-    target = newest_covering(everyone, joiners, {s for r in live for s in gathered[r][1]})
+    everyone = gathered
+    target = newest_covering(everyone, joiners)
     if target is None:
         raise fail(_no_snapshot(snapshot, joiners, gathered))
     try:
@@ -723,7 +723,7 @@ def _no_snapshot(snapshot: PeerSnapshot, joiners: list[int], gathered: list[Any]
             why.append(f"rank {j}'s copies were on rank(s) {where}, dead too")
         else:
             why.append(f"rank {j}'s copies were on rank(s) {where}")
-    if not any(held for held, _ in gathered):
+    if not any(gathered):
         why.append("no snapshot was taken yet")
     return (
         f"{dead} died and no snapshot that counted holds all their shards (copies="

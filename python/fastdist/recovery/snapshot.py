@@ -7,8 +7,9 @@ A sharded model (FSDP2) loses a dead rank's shards with its process. A snapshot,
 its own, while training goes on. It counts once every rank holds its own copy and its neighbours'
 (a barrier after the exchange: a rank passes it only when every rank has sent and received
 everything); a snapshot half-taken at a fault is discarded and the previous one kept. A rank keeps
-its part of an exchange it completed but whose barrier a fault cut short: if the barrier passed on
-another rank (so every rank had completed it), that snapshot is used, else the previous one.
+its part of an exchange it completed but whose barrier a fault cut short: if every live rank
+completed its part and the dead rank's copy reached a live rank, that snapshot is used (each copy
+a roll-back loads is whole), else the previous one.
 
 Recovery halts an exchange in flight before it rebuilds the groups (:meth:`PeerSnapshot.halt`):
 each op of the exchange is issued under a lock that checks it was not halted, so nothing of an
@@ -77,19 +78,15 @@ def holders(rank: int, world: int, copies: int, local: int) -> list[int]:
     return chosen
 
 
-def newest_covering(
-    everyone: list[dict[int, list[int]]], joiners: list[int], counted: set[int] | None = None
-) -> int | None:
+def newest_covering(everyone: list[dict[int, list[int]]], joiners: list[int]) -> int | None:
     """The newest step for which every live rank holds its own copy and, for each joiner, some
     live rank holds the copy of the dead rank it replaces; None if there is none. ``everyone``:
-    each rank's holdings (step -> the ranks whose copies it holds; a joiner holds none).
-    ``counted``: the steps whose snapshot counted on some live rank (its barrier passed: every
-    rank, the dead one too, held all its copies); a step outside it was cut short (None: all
-    count)."""
+    each rank's holdings (step -> the ranks whose copies it holds; a joiner holds none). A step
+    whose exchange a death cut short counts where the live ranks completed their parts and the
+    dead rank's copy reached a live rank: every copy a roll-back loads is there, whole (each rank
+    reports only what it holds)."""
     live = [r for r in range(len(everyone)) if r not in joiners]
     for s in sorted({s for held in everyone for s in held}, reverse=True):
-        if counted is not None and s not in counted:
-            continue
         if all(r in everyone[r].get(s, ()) for r in live) and all(
             any(j in everyone[r].get(s, ()) for r in live) for j in joiners
         ):
