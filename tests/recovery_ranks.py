@@ -131,6 +131,33 @@ def subgroup_dies_alone(ctx) -> None:
             default_still=dist.get_world_size(),
         )
     fastdist.barrier(timeout=20)
+    _told_in_a_subgroup(ctx, new_sub if ctx.rank < 2 else None)
+
+
+def _told_in_a_subgroup(ctx, sub) -> None:
+    """Then rank 0 waits in an all_reduce on the subgroup (30 s) that rank 1 never joins: rank 1
+    times out on the default group (1 s), where rank 2 does not arrive. Rank 0 is told: its
+    subgroup op ends within seconds naming the default group's fault (it waited out its own 30 s
+    before, while the others' recovery waited for it), and every rank recovers the job."""
+    start = time.monotonic()
+    try:
+        if ctx.rank == 0:
+            fastdist.all_reduce(torch.ones(1), group=sub, timeout=30)
+        elif ctx.rank == 1:
+            fastdist.barrier(timeout=1.0)
+        else:
+            time.sleep(4)
+            fastdist.barrier(timeout=20)  # rank 1's fault aborted it meanwhile
+        ctx.record("told", seconds=None)
+    except fastdist.FastdistError as e:
+        ctx.record("told", seconds=time.monotonic() - start, message=str(e), kind=type(e).__name__)
+    fastdist.recover(timeout=30)
+    t = torch.ones(1)
+    fastdist.all_reduce(t, timeout=20)
+    s = torch.ones(1)
+    if sub is not None:
+        fastdist.all_reduce(s, group=sub, timeout=20)
+    ctx.record("after_told", value=t.item(), sub=s.item())
 
 
 def leak_cycles(ctx) -> None:

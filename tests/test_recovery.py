@@ -24,6 +24,14 @@ def test_subgroup_dies_and_recovers_on_its_own() -> None:
     for r in results[:2]:
         rec = r.record("sub_recovered")
         assert rec["value"] == 3.0 and rec["size"] == 2 and rec["default_still"] == 3, info
+    # Then a fault on the default group while rank 0 waits on the subgroup (issue 51): it is told.
+    told = results[0].record("told")
+    assert told["seconds"] is not None and told["seconds"] < 15, info  # its own deadline: 30 s
+    assert told["kind"] == "GroupAbortedError" and "group 'default'" in told["message"], told
+    assert "joins the job's recovery" in told["message"], told
+    for r in results:
+        assert r.record("after_told")["value"] == 3.0, info
+    assert [r.record("after_told")["sub"] for r in results] == [2.0, 2.0, 1.0], info
 
 
 def test_twenty_timeout_recover_cycles_leak_no_threads_fds_or_store_keys() -> None:

@@ -147,10 +147,16 @@ def _handle_death(death: dict[str, Any]) -> None:
     replacement) is left alone too."""
     dead = death["rank"]
     said = f"rank {dead} is dead ({death['how']})"
+    told: list[tuple[Any, Any]] = []  # groups without the dead rank
     for pg in registry.watched_groups():
         st = pgstate.state_of(pg)
         ranks = st.global_ranks or []
-        if not st.polled or dead not in ranks or dead == st.my_global_rank or st.began > death["time"]:
+        if dead == st.my_global_rank or st.began > death["time"]:
+            continue
+        if dead not in ranks:
+            told.append((pg, st))
+            continue
+        if not st.polled:
             continue
         reason = f"{said}: fastdist run's record"
         detail = json.dumps({"rank": ranks.index(dead), "op": "", "seq": 0, "state": "dead", "dead": said})
@@ -159,6 +165,21 @@ def _handle_death(death: dict[str, Any]) -> None:
             failed = b.fail_remote(detail, reason) or failed
         if not failed:
             st.mark_dead(reason)
+    # The job recovers: an op on a group without the dead rank would hold this rank out of it.
+    default = _default_group()
+    if not told or default is None:
+        return
+    dst = pgstate.state_of(default)
+    with dst.generation_lock:  # (a recovery that began since rebuilds these groups: not news)
+        if dst.began <= death["time"]:
+            for pg, st in told:
+                _tell(pg, st, f"{said}: fastdist run's record", "", 0)
+
+
+def _default_group() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
 _DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
@@ -215,3 +236,23 @@ def _apply(store: Any, st: Any, pg: Any, fault: dict[str, Any], raw: bytes) -> N
     if not inflight:  # (an op in flight counts its fault where it fails: fastdist.ops.watching)
         st.mark_dead(reason)
         events.emit("abort", st.my_global_rank, st.name, st.generation, str(fault["op"]), reason=reason)
+    if st.is_default:  # the whole job recovers: an op on another group would hold this rank
+        what = f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']} and aborted group 'default'"
+        for other in registry.watched_groups():
+            if other is not pg:
+                ost = pgstate.state_of(other)
+                _tell(other, ost, what, str(fault["op"]), int(fault["seq"]))
+
+
+def _tell(pg: Any, st: Any, what: str, op: str, seq: int) -> None:
+    """The job must recover (``what`` happened on a group this rank holds with ``pg``, or to a
+    rank outside ``pg``): an op in flight on ``pg`` would keep this rank out of the recovery until
+    its own deadline (the live ranks' recovery may give up on it first), so it ends now, saying
+    why. A group with no op in flight is left as it is (the next op on the default group fails)."""
+    backends = registry.backends_of(pg)
+    if not any(b.inflight_ops() for b in backends):
+        return
+    said = f"{what}; this rank's op on group {st.name!r} was ended so that it joins the job's recovery"
+    detail = json.dumps({"rank": -1, "op": op, "seq": seq, "state": "told", "dead": said})
+    for b in backends:
+        b.fail_remote(detail, said)

@@ -132,6 +132,8 @@ def _remote(call: OpCall, info: dict[str, Any]) -> BaseException:
     late = isinstance(peer.get("t"), (int, float)) and began > peer["t"]
     if peer.get("state") == "interrupted":
         return _aborted(pg, st, op, f"{who} was interrupted (KeyboardInterrupt) in {what}")
+    if peer.get("state") == "told" and isinstance(peer.get("dead"), str):
+        return _aborted(pg, st, op, peer["dead"])  # the job recovers (fastdist.diagnostics.listener)
     if peer.get("state") == "dead" and isinstance(peer.get("dead"), str):
         return _aborted(pg, st, op, f"{peer['dead']}: fastdist run's record")  # (the launcher's notice)
     if isinstance(peer.get("dead"), str):
