@@ -502,3 +502,36 @@ def test_a_peers_fault_read_just_before_a_recovery_does_not_end_the_rebuilt_grou
     listener._handle(store, fault, raw)
     rebuild.join(10)
     assert events == ["failed", "rebuilt"], events
+
+
+def test_a_forged_latest_generation_does_not_fail_every_later_recovery(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 51: one ``add(.../recover/g/latest, 100)`` made every later recovery fail ("the
+    other ranks already rebuilt the group as generation 100"). The record is signed now: a value
+    the job's processes did not write is ignored, with a warning, and the agreement goes on."""
+    store = dist.HashStore()
+    assert recovery.read_latest(store, "g") == 0
+    recovery.set_latest(store, "g", 3)
+    assert recovery.read_latest(store, "g") == 3
+    store.delete_key(recovery.latest_key("g"))
+    store.add(recovery.latest_key("g"), 100)  # forged: an integer, no record
+    with caplog.at_level("WARNING", logger="fastdist"):
+        assert recovery.read_latest(store, "g") == 0
+    assert "malformed record of the last recovery" in caplog.text or "not signed" in caplog.text
+    out: dict[int, Any] = {}
+    deadline = current_time() + 20
+
+    def run(r: int) -> None:
+        try:
+            out[r] = recovery._agree(store, _rank(store, r, 3, "g"), 1, deadline, False)
+        except RecoveryError as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}, out
+    assert recovery.read_latest(store, "g") == 1  # recorded afresh, signed

@@ -42,7 +42,7 @@ from ..groups import pgstate, registry
 from ..store import keywait
 from ..store.job import JOB
 from . import joining, reconcile, state_sync, wrappers
-from .recover import hand_over, latest_key, rebuild_default, recover_joining
+from .recover import hand_over, rebuild_default, recover_joining, set_latest
 from .world import arm, grow_key, world_key
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def _grow(state: dict[str, Any] | None, deadline: float, *, newcomer: bool) -> b
     if me == 0:
         store.set(world_key(), f"{epoch + 1}:{size + 1}")
         # The generation is used: a later recovery (or a replacement's) agrees on the next one.
-        JOB.root.set(latest_key(st.name), str(gen))
+        set_latest(JOB.root, st.name, gen)
     listener.restart(dist.distributed_c10d._get_default_store(), me)
     arm(epoch + 1, me, size + 1)
     logger.info("rank %d: the world grew to %d ranks (generation %d)", me, size + 1, gen)

@@ -70,7 +70,7 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
     # the last one was agreed with the process this one replaces, which died before it went on
     # to the rebuild: the others wait for this rank in that rebuild, and this process takes its
     # place there.
-    latest = int(JOB.root.add(latest_key(st.name), 0))
+    latest = read_latest(JOB.root, st.name)
     open_place = latest >= 1 and _place_open(JOB.root, st, latest)
     st.generation = latest - 1 if open_place else latest
     deadline = effective_deadline(timeout, current_time())
@@ -336,8 +336,30 @@ def _recover(
 
 
 def latest_key(name: str) -> str:
-    """The last generation of group ``name`` that its members agreed (a counter in the store)."""
+    """The last generation of group ``name`` that its members agreed (a signed record)."""
     return f"{keys.key('recover', name)}/latest"
+
+
+def set_latest(store: Any, name: str, gen: int) -> None:
+    """Records ``gen`` as group ``name``'s last agreed generation, signed with the job's secret
+    (fastdist.store.seal): a value written by anything else (``add(key, 100)``) is ignored."""
+    key = latest_key(name)
+    store.set(key, seal.seal(f"{key} {gen}"))
+
+
+def read_latest(store: Any, name: str) -> int:
+    """Group ``name``'s last agreed generation: 0 before the first recovery, or when the record
+    is not this job's (a warning says so)."""
+    key = latest_key(name)
+    if not store.check([key]):
+        return 0
+    body = seal.opened(store.get(key), "record of the last recovery's generation")
+    parts = (body or "").rsplit(" ", 1)
+    if len(parts) != 2 or parts[0] != key or not parts[1].isdigit():
+        if body is not None:  # (an unsigned one was said by opened)
+            logger.warning("fastdist: ignored a malformed record of the last recovery's generation")
+        return 0
+    return int(parts[1])
 
 
 def _joiners_key(st: pgstate.GroupState, gen: int) -> str:
@@ -752,9 +774,8 @@ def _agree(
     that ``recover()`` tried again succeeds once every rank turns up."""
     key = keys.key("recover", st.name)
     me = st.my_global_rank
-    # The last generation agreed (set by one member of it), read as a counter: one operation,
-    # 0 before the first recovery.
-    latest = store.add(latest_key(st.name), 0)
+    # The last generation agreed (set by one member of it): 0 before the first recovery.
+    latest = read_latest(store, st.name)
     if latest > gen or (latest == gen and not joiner):  # (a joiner may take a dead rank's place)
         raise st.recovery_error(
             gen, f"the other ranks already rebuilt the group as generation {latest} without this rank"
@@ -819,7 +840,7 @@ def _agree(
     try:
         for i in range(n - 1, len(chores), final):
             if i == 0:
-                store.set(chores[0], str(gen))
+                set_latest(store, st.name, gen)
             else:
                 store.delete_key(chores[i])
     except RuntimeError:  # a store without delete (FileStore): the keys stay
