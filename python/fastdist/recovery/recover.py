@@ -1031,6 +1031,11 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
     what is left of ``deadline``."""
     groups = registry.watched_groups() if is_default else [pg]
     root = JOB.root if JOB.root is not None else pgstate.state_of(pg).store
+    # A subgroup recovered on its own numbers its generations from its last rebuild by the
+    # default group's recovery, which sets them to the default group's: its keys are apart from
+    # those (under the default group's generation), or a later recovery of the default group
+    # would meet a generation's addresses published before and connect to a live backend.
+    own = "" if is_default else f"own{_default_generation()}"
     if root is None:  # recover() refused a group without a store before agreeing
         raise RuntimeError("no store to rebuild the group through")
     for g in groups:
@@ -1039,10 +1044,10 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
             left = deadline - current_time()
             if left <= 0:
                 raise gst.recovery_error(gen, "the deadline passed while the groups were rebuilt")
-            prefix = dist.PrefixStore(keys.key(f"gen{gen}", gst.name, backend.name()) + "/", root)
+            prefix = dist.PrefixStore(_rebuild_prefix(gen, gst, backend, own), root)
             fresh = _fresh_backend(backend, prefix, min(left, 1e6), gst)
             backend.swap_inner(fresh)
-            _forget_connections(root, gst, backend, gen - 2)
+            _forget_connections(root, gst, backend, gen - 2, own)
         pgstate.revive(gst)
         gst.generation = gen
         gst.checks_seq = 0
@@ -1050,14 +1055,28 @@ def _rebuild_in_place(pg: Any, is_default: bool, gen: int, deadline: float) -> l
     return groups
 
 
-def _forget_connections(root: Any, st: pgstate.GroupState, backend: Any, gen: int) -> None:
+def _default_generation() -> int:
+    return (
+        pgstate.state_of(dist.distributed_c10d._get_default_group()).generation
+        if dist.is_initialized()
+        else 0
+    )
+
+
+def _rebuild_prefix(gen: int, st: pgstate.GroupState, backend: Any, own: str) -> str:
+    """The store prefix of generation ``gen`` of ``backend`` (of group ``st``) rebuilt in place;
+    ``own``: a subgroup's own recovery (see _rebuild_in_place)."""
+    return keys.key(f"gen{gen}", st.name, backend.name(), *([own] if own else [])) + "/"
+
+
+def _forget_connections(root: Any, st: pgstate.GroupState, backend: Any, gen: int, own: str) -> None:
     """Deletes the address this rank's gloo published for generation ``gen`` of a rebuilt backend
     (its first device's, ``DEVICE/RANK`` under the generation's prefix): every member agreed a
     later generation, so nobody connects through it any more. Each member deletes its own: one
     operation per rank, not one per rank pair. (NCCL's keys are its own; they stay.)"""
     if gen < 1 or backend.inner.name() != "gloo":
         return
-    old = dist.PrefixStore(keys.key(f"gen{gen}", st.name, backend.name()) + "/", root)
+    old = dist.PrefixStore(_rebuild_prefix(gen, st, backend, own), root)
     try:
         old.delete_key(f"0/{backend.rank()}")
     except RuntimeError:  # a store without delete
