@@ -42,9 +42,11 @@ def test_twenty_timeout_recover_cycles_leak_no_threads_fds_or_store_keys() -> No
         counts = r.record("counts")["counts"]
         threads, fds = zip(*counts)
         # After the first cycles warm up (engine threads, the first dead group held until its op
-        # ends), the counts must not grow with the number of cycles.
-        assert max(threads[5:]) <= threads[4] + 1, info
-        assert max(fds[5:]) <= fds[4] + 2, info
+        # ends), the counts must not grow with the number of cycles: a leak raises the floor (the
+        # last cycles' fewest); a thread still ending as a count is taken (an abort, a store call
+        # given up on) raises one sample (CI: 11 threads in every cycle but one, 13).
+        assert min(threads[-5:]) <= min(threads[3:8]) + 1 and max(threads[5:]) <= threads[4] + 3, info
+        assert min(fds[-5:]) <= min(fds[3:8]) + 1 and max(fds[5:]) <= fds[4] + 3, info
     # Nor may the store (issue 13 item 13): every generation's keys go once all are past it.
     keys = results[0].record("counts")["keys"]
     assert max(keys[5:]) <= keys[4] + 2, (keys, info)
