@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fastdist-installed
 SOURCES := pyproject.toml CMakeLists.txt $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null)
 
-.PHONY: setup demo check test bench docs clean
+.PHONY: setup demo check test bench docs clean bench-smoke
 
 setup: $(STAMP)
 
@@ -48,7 +48,14 @@ test: setup
 	scripts/install-test-deps
 	$(PY) -c "import sys; sys.path.insert(0, 'tests'); import fake_nccl" & double=$$!; \
 	  $(MAKE) --no-print-directory check; gates=$$?; wait $$double || exit 1; exit $$gates
-	$(PY) -m pytest -n 2 --dist worksteal --durations=25
+	$(PY) -m pytest -n 2 --dist worksteal --durations=25 -m "not bench_smoke"
+
+# bench/ must not rot: each benchmark once, tiny, no timing asserted (about a minute; .ci/run runs
+# it after make test, which it would push past 15 minutes on 2 cores).
+bench-smoke: setup
+	scripts/install-test-deps
+	$(PY) -c "import sys; sys.path.insert(0, 'tests'); import fake_nccl"
+	$(PY) -m pytest -n 2 --dist worksteal -m bench_smoke
 
 # The benchmarks (about 9 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.
 bench: setup

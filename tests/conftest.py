@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 _LONGEST_FIRST = (
     "test_torch_suite.py::",
     "test_every_benchmark_runs_once_in_smoke_mode",
+    "killed_in_the_snapshot_exchange",
+    "test_hugging_face_trainer",
     "test_two_adjacent_deaths",
     "test_trainer_under_lightnings_launcher",
     "test_partitions_loss_and_a_flapping_link",

@@ -396,6 +396,7 @@ def test_the_benchmark_parts_cover_bench() -> None:
     assert sorted(listed) == sorted(files), sorted(files ^ set(listed))
 
 
+@pytest.mark.bench_smoke  # (not in make test: make bench-smoke, which .ci/run runs after it)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("part", sorted(_BENCH_PARTS))
 def test_every_benchmark_runs_once_in_smoke_mode(part: str, tmp_path: Any) -> None:
