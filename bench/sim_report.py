@@ -6,7 +6,7 @@ fastdist's own protocols without a process or a torch group per rank:
 1. The fault report (fastdist.store.board.report, the ring tree of fastdist.store.ring):
    rank 0 times out and reports; every other rank but the last (dead: it never answers) is rung,
    forwards the ring to its children, posts its status and collects the report, as a rank in the same op does.
-2. The recovery agreement (fastdist.recovery.recover._agree) with every rank arriving: generation 1.
+2. The recovery agreement (fastdist.recovery.agreement._agree) with every rank arriving: generation 1.
 3. The agreement again with the last rank absent and ``allow_shrink=True``: generation 2, closed
    by the first deadline.
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 from fastdist.groups import pgstate
-from fastdist.recovery import recover as recovery
+from fastdist.recovery import agreement as recovery
 from fastdist.store import board, keys, keywait, ring
 
 BUDGET = 1.0  # the op's timeout: the report window is 0.1 s plus 5 ms per level of the ring tree

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fastdist.deadlines import current_time
 from fastdist.errors import RecoveryError
 from fastdist.groups import pgstate
-from fastdist.recovery import recover as recovery
+from fastdist.recovery import agreement
 from fastdist.store import board, keys, ring
 
 pytestmark = pytest.mark.timeout(60)
@@ -193,7 +193,8 @@ def _agree_all(
     def run(r: int) -> None:
         counting = Counting(store)
         try:
-            out[r] = (recovery._agree(counting, _rank(store, r, size, name), gen, deadline, shrink), counting)
+            members = agreement._agree(counting, _rank(store, r, size, name), gen, deadline, shrink)
+            out[r] = (members, counting)
         except RecoveryError as exc:
             out[r] = (exc, counting)
 
@@ -236,7 +237,7 @@ def test_a_rank_arriving_after_the_deadline_decided_is_left_out() -> None:
 
     def run(r: int, seconds: float) -> None:
         try:
-            out[r] = recovery._agree(store, _rank(store, r, 3, "late"), 1, current_time() + seconds, True)
+            out[r] = agreement._agree(store, _rank(store, r, 3, "late"), 1, current_time() + seconds, True)
         except RecoveryError as exc:
             out[r] = exc
 
@@ -260,7 +261,7 @@ def test_a_replacement_of_a_rank_that_died_inside_the_agreement_moves_on_to_the_
 
     def run(r: int, gen: int, joiner: bool = False) -> None:
         try:
-            out[r] = recovery._agree(
+            out[r] = agreement._agree(
                 store, _rank(store, r, 3, "d"), gen, current_time() + 5.0, False, None, joiner
             )
         except RecoveryError as exc:
@@ -277,7 +278,7 @@ def test_a_replacement_of_a_rank_that_died_inside_the_agreement_moves_on_to_the_
     together([(0, 1, False), (1, 1, False), (2, 1, False)])  # rank 2's first process, then it dies
     assert out[0] == out[1] == [0, 1, 2]
     # Rank 2 was the first arrival, whose chore is to record the generation as the latest: it died first.
-    store.delete_key(recovery.latest_key("d"))
+    store.delete_key(agreement.latest_key("d"))
     run(2, 1, True)  # its replacement
     assert type(out[2]).__name__ == "GenerationTaken" and "call recover() again" in str(out[2]), out[2]
     together([(0, 2, False), (1, 2, False), (2, 2, True)])  # everyone's next recover()
@@ -292,7 +293,7 @@ def test_a_failed_round_agrees_nothing_and_the_next_round_waits_for_everyone() -
 
     def run(r: int, seconds: float) -> None:
         try:
-            out[r] = recovery._agree(store, _rank(store, r, 3, "f"), 1, current_time() + seconds, False)
+            out[r] = agreement._agree(store, _rank(store, r, 3, "f"), 1, current_time() + seconds, False)
         except RecoveryError as exc:
             out[r] = exc
 
@@ -440,13 +441,13 @@ def test_forged_joiners_and_ddp_layouts_do_not_shape_a_recovery(monkeypatch: pyt
     rewritten made two ranks take a forged layout (the model off, exit 0). With the job's secret
     only a joiner's own signed line counts (not one copied from another generation), and a layout
     record that is not the lowest live rank's fails the recovery, typed, instead of being used."""
-    from fastdist.recovery import recover as rec
+    from fastdist.recovery import handover as rec
     from fastdist.store import seal
 
     monkeypatch.setenv(seal.SECRET_ENV, "job-secret")
     store = dist.HashStore()
     st = _rank(store, 0, 3)
-    key1, key2 = rec._joiners_key(st, 1), rec._joiners_key(st, 2)
+    key1, key2 = agreement._joiners_key(st, 1), agreement._joiners_key(st, 2)
     store.append(key1, "0\n1\n")  # forged: no tag
     store.append(key1, f"{key1} 1\n")  # forged: the new form, no tag
     store.append(key1, seal.seal(f"{key2} 0") + "\n")  # signed, but another generation's
@@ -511,20 +512,20 @@ def test_a_forged_latest_generation_does_not_fail_every_later_recovery(
     other ranks already rebuilt the group as generation 100"). The record is signed now: a value
     the job's processes did not write is ignored, with a warning, and the agreement goes on."""
     store = dist.HashStore()
-    assert recovery.read_latest(store, "g") == 0
-    recovery.set_latest(store, "g", 3)
-    assert recovery.read_latest(store, "g") == 3
-    store.delete_key(recovery.latest_key("g"))
-    store.add(recovery.latest_key("g"), 100)  # forged: an integer, no record
+    assert agreement.read_latest(store, "g") == 0
+    agreement.set_latest(store, "g", 3)
+    assert agreement.read_latest(store, "g") == 3
+    store.delete_key(agreement.latest_key("g"))
+    store.add(agreement.latest_key("g"), 100)  # forged: an integer, no record
     with caplog.at_level("WARNING", logger="fastdist"):
-        assert recovery.read_latest(store, "g") == 0
+        assert agreement.read_latest(store, "g") == 0
     assert "malformed record of the last recovery" in caplog.text or "not signed" in caplog.text
     out: dict[int, Any] = {}
     deadline = current_time() + 20
 
     def run(r: int) -> None:
         try:
-            out[r] = recovery._agree(store, _rank(store, r, 3, "g"), 1, deadline, False)
+            out[r] = agreement._agree(store, _rank(store, r, 3, "g"), 1, deadline, False)
         except RecoveryError as exc:
             out[r] = exc
 
@@ -534,4 +535,4 @@ def test_a_forged_latest_generation_does_not_fail_every_later_recovery(
     for t in threads:
         t.join(30)
     assert out == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}, out
-    assert recovery.read_latest(store, "g") == 1  # recorded afresh, signed
+    assert agreement.read_latest(store, "g") == 1  # recorded afresh, signed

@@ -42,7 +42,10 @@ from ..groups import pgstate, registry
 from ..store import keywait
 from ..store.job import JOB
 from . import joining, reconcile, state_sync, wrappers
-from .recover import hand_over, rebuild_default, recover_joining, set_latest
+from .agreement import set_latest
+from .handover import hand_over
+from .rebuild import rebuild_default
+from .recover import recover_joining
 from .world import arm, grow_key, world_key
 
 logger = logging.getLogger(__name__)
