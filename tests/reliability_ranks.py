@@ -300,8 +300,23 @@ def fork_child_exits(ctx) -> None:
 def recover_from_two_threads(ctx) -> None:
     """2 ranks, 20 rounds: on every rank two threads call fastdist.recover() at once on the
     healthy default group; both return the group (one recovered it, the other shared its
-    outcome), and a barrier and an all_reduce on it then work."""
+    outcome), and a barrier and an all_reduce on it then work. "At once" is made sure of: the
+    recovery that runs first starts only once the other thread waits for it (on a loaded machine
+    a thread can start after a whole recovery of a healthy group has ended; its call is then a
+    second recovery, which the other rank, whose calls overlapped, never makes)."""
+    from fastdist.groups import pgstate
+    from fastdist.recovery import recover as recovery
+
     ctx.init()
+    real = recovery._recover
+
+    def once_the_other_waits(pg, *args, **kwargs):
+        turns, until = pgstate.state_of(pg).turns, time.monotonic() + 10
+        while turns.waiting == 0 and time.monotonic() < until:
+            time.sleep(0.002)
+        return real(pg, *args, **kwargs)
+
+    recovery._recover = once_the_other_waits
     outcomes = []
     for _ in range(20):
         fastdist.barrier(timeout=20)
