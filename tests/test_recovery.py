@@ -41,10 +41,10 @@ def test_twenty_timeout_recover_cycles_leak_no_threads_fds_or_store_keys() -> No
         assert r.returncode == 0, info
         counts = r.record("counts")["counts"]
         threads, fds = zip(*counts)
-        # After the first cycles warm up (engine threads, the first dead group held until its op
-        # ends), the counts must not grow with the number of cycles: a leak raises the floor (the
-        # last cycles' fewest); a thread still ending as a count is taken (an abort, a store call
-        # given up on) raises one sample (CI: 11 threads in every cycle but one, 13).
+        # Counted once the backend each recovery replaced is let go (a moment after it ends: each
+        # rank polls for the fewest, recovery_ranks._settled_counts), they must not grow with the
+        # number of cycles: a leak raises the floor (the last cycles' fewest). One sample may
+        # still be high on a loaded machine (the old backend still going after 2 s).
         assert min(threads[-5:]) <= min(threads[3:8]) + 1 and max(threads[5:]) <= threads[4] + 3, info
         assert min(fds[-5:]) <= min(fds[3:8]) + 1 and max(fds[5:]) <= fds[4] + 3, info
     # Nor may the store (issue 13 item 13): every generation's keys go once all are past it.
