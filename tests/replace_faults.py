@@ -2,7 +2,9 @@
 tests/test_replace.py:
 
 - ``FAULT=joiner-mid-transfer``: the first replacement SIGKILLs itself after the state's header
-  arrived, before the tensors (a marker file keeps the next one alive);
+  arrived, before the tensors (a marker file keeps the next one alive); then, in the hand-over to
+  the second replacement, the source (rank 0) SIGKILLs itself after posting the state's size and
+  header, before the tensors (a death on each side of one hand-over);
 - ``FAULT=spare-dies-waiting``: the spare SIGKILLs itself 1 s after its start, while it waits for
   a rank in init_process_group;
 - ``FAULT=dies-in-init``: rank 1's first process SIGKILLs itself as it enters torch's
@@ -59,6 +61,28 @@ if fault == "joiner-mid-transfer":
         return original_irecv(*args, **kwargs)  # type: ignore[arg-type]
 
     dist.irecv = irecv  # type: ignore[assignment]
+
+    source_marker = os.path.join(out, ".source-killed")
+    if os.environ["RANK"] == "0" and not os.path.exists(source_marker):
+        from fastdist.recovery import state_sync
+
+        real_send_dicts, original_send = state_sync.send_dicts, dist.send
+        hand_overs, sends = [0], [0]
+
+        def send(*args: object, **kwargs: object) -> object:
+            sends[0] += 1  # 1: the size, 2: the header, 3: the tensors
+            if hand_overs[0] == 2 and sends[0] == 3:
+                open(source_marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original_send(*args, **kwargs)  # type: ignore[arg-type]
+
+        def send_dicts(*args: object, **kwargs: object) -> object:
+            hand_overs[0] += 1  # the second: to the second replacement
+            sends[0] = 0
+            return real_send_dicts(*args, **kwargs)  # type: ignore[arg-type]
+
+        state_sync.send_dicts = send_dicts  # type: ignore[assignment]
+        dist.send = send  # type: ignore[assignment]
 
 if fault == "spare-dies-waiting":
     spares = int(os.environ.get("FASTDIST_SPARES", "0"))

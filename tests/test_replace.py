@@ -212,17 +212,26 @@ def _faults(out: Path, fault: str, *flags: str) -> tuple[int, str]:
         del os.environ["FAULT"]
 
 
-def test_a_replacement_that_dies_mid_transfer_is_replaced_again(reference: Path, tmp_path: Path) -> None:
+def test_a_replacement_or_a_source_that_dies_mid_transfer_is_replaced_again(
+    reference: Path, tmp_path: Path
+) -> None:
+    """Rank 1 killed at step 5; its first replacement dies receiving the state, then the source
+    (rank 0) dies sending it to the second: each death is one more death, recovered like any other
+    (rank 0 replaced too, rank 2 the source of the third hand-over), and the job ends equal to an
+    undisturbed run."""
     rc, log = _faults(tmp_path / "transfer", "joiner-mid-transfer", "--nproc-per-node", "3")
     assert rc == 0, log
     started = [
         ln for ln in log.splitlines() if ln.startswith("[fastdist run]") and "replacement started" in ln
     ]
-    assert len(started) == 2, log  # the first replacement died in the transfer
+    assert len(started) == 3, log  # rank 1 twice (the first died in the transfer), then rank 0
+    assert sum("rank 0: replacement started" in ln for ln in started) == 1, log
     # Every live rank learned that the hand-over failed, and recovered again with the next one.
     for r in (0, 2):
         assert f"rank {r}: recovery 1 failed: " in log and "handing the state to rank 1 failed" in log, log
+    assert "rank 2: recovery 2 failed: " in log, log  # its source died
     assert "rank 1: joined the running job at step 5" in log, log
+    assert "rank 0: joined the running job at step 5" in log, log
     assert compare(str(reference), str(tmp_path / "transfer"), 3) == 0.0
 
 
