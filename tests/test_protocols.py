@@ -363,7 +363,7 @@ def test_a_fault_claimed_and_rung_from_cpp_is_the_reports_own(claimed_by: str) -
 def test_a_rank_rung_twice_for_one_fault_acts_once() -> None:
     """A fault rung from C++ and rung again by the ringer's report (its records differ in their
     bytes: another writer, another time) is handled once."""
-    from fastdist.diagnostics import listener
+    from fastdist.ops import listener
 
     fault = {"kind": "fault", "group": "g-once", "gen": 3, "root": 0, "rank": 0, "op": "barrier", "seq": 4}
     before = len(listener._handled)
@@ -468,8 +468,8 @@ def test_a_peers_fault_read_just_before_a_recovery_does_not_end_the_rebuilt_grou
     the rebuilt ones: it would abort the new generation's first op (a CI failure of
     test_twenty_timeout_recover_cycles...: "rank 0 timed out in barrier #2 and aborted group
     'default' while this rank was in no op on it", raised by the next generation's all_gather)."""
-    from fastdist.diagnostics import listener
     from fastdist.groups import registry
+    from fastdist.ops import listener
 
     store = dist.HashStore()
     st = _rank(store, 1, 2, name="g-race")

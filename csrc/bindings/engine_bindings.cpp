@@ -98,7 +98,7 @@ void register_engine(py::module_& m) {
       .def("cancel", &Token::cancel)
       // The done-callback to give torch's Future.add_done_callback for this token: a separate
       // object that only torch holds, so that a weak reference to it tells when torch has let
-      // go of the callback (see fastdist._work's exit hook).
+      // go of the callback (see fastdist.ops.work, its exit hook).
       .def("notifier", [](const std::shared_ptr<Token>& t) { return Notifier{t}; })
       .def_property_readonly("work_done", &Token::is_work_done)
       .def("wait", [](Token& t, const py::object& timeout) { return static_cast<int>(wait_token(t, wait_from_python(timeout))); },

@@ -20,9 +20,9 @@ from . import (
     shutdown,  # noqa: F401  (the exit hook: registered with the first import of fastdist)
 )
 from .deadlines import RendezvousTimeout, validate_seconds
-from .diagnostics import listener, uncaught
+from .diagnostics import uncaught
 from .groups import pgstate
-from .ops import watching
+from .ops import listener, watching
 from .recovery import joining, wrappers
 from .recovery.recover import LINEAGE_PROBE
 from .recovery.world import prepare_growth, read_world

@@ -29,9 +29,8 @@ import sys
 import time
 
 from .deadlines import flush_engine
-from .diagnostics import listener
 from .groups import abort
-from .ops import fault, watching, work
+from .ops import fault, listener, watching, work
 from .recovery import snapshot
 from .store import bounded
 

@@ -1,2 +1,4 @@
-"""What a fault means and who is missing: the group's board and report, the ring that tells every
-rank, the listener that answers it, the verdict on a backend's error, and the fault dumps."""
+"""What a fault means and who is missing, read and reported: the listener that answers a peer's
+fault (it asks fastdist.ops.fault to apply it), the verdict on a backend's error, the stacks, the
+events and the fault dumps. The board and the ring, the store protocols they read, are
+fastdist.store's."""

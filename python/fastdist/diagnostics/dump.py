@@ -246,6 +246,8 @@ def divergence(ranks: dict[int, dict[str, Any]]) -> str:
 
 
 def render(dumps: dict[tuple[str, int], dict[int, dict[str, Any]]]) -> str:
+    """The merged view of :func:`load`'s dumps, as text: per group and generation, each rank's
+    error, last ops and main thread's stack, the ranks without a dump, and the first divergence."""
     lines: list[str] = []
     for (group, gen), ranks in sorted(dumps.items()):
         lines.append(
@@ -344,6 +346,7 @@ def _event_line(rec: dict[str, Any]) -> str:
 
 
 def render_events(records: list[dict[str, Any]]) -> str:
+    """The events as one timeline: a line of counts, then one line per event ("" for no events)."""
     if not records:
         return ""
     counts: dict[str, int] = {}
@@ -360,6 +363,7 @@ def render_events(records: list[dict[str, Any]]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the arguments of ``fastdist report`` to ``parser``."""
     parser.add_argument(
         "paths",
         nargs="+",
@@ -369,6 +373,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs ``fastdist report``: prints the merged view of the dumps in the directories given, and
+    the timeline of the events (the files given, and ``*.jsonl`` in those directories). Returns 1
+    when there was nothing to report, 2 when a path is neither a directory nor a file, else 0."""
     dumps: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
     event_files: list[Path] = []
     for given in args.paths:

@@ -1,24 +1,20 @@
-"""What a failed op on a group means: the typed error a caller gets.
+"""What a failed op on a group means: the typed error a caller gets, read from what happened (a
+backend's error text, the board's report, a fault record). Pure: it changes no state.
 
-Read by fastdist.ops.fault, which builds the error once per fault (called from C++). The report
-itself, who arrived and who did not, is fastdist.store.board.
+Read by fastdist.ops.fault, which builds the error once per fault (called from C++) and makes
+every change a fault makes. The report itself, who arrived and who did not, is
+fastdist.store.board.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 from ..deadlines import current_time
 from ..errors import CollectiveTimeoutError
 from ..groups.opcall import OpCall
-from ..store import board, job
-from ..store.bounded import GRACE_SECONDS
-from ..store.job import JOB
-
-# How long it waits for fastdist run's record of a death (its agent polls every 0.1 s).
-DEATH_WAIT = 0.5
+from ..store import board
 
 # What gloo says when its own per-call timeout fires, and when a peer closed the group. gloo raises
 # a plain RuntimeError for both (not one of torch's DistError classes), so only its text tells.
@@ -46,6 +42,7 @@ def classify(exc: BaseException | str) -> str | None:
 
 
 def first_line(exc: BaseException | str) -> str:
+    """The first line of ``exc``'s text; for an exception without text, its class's name."""
     text = (exc if isinstance(exc, str) else str(exc)).strip()
     return text.splitlines()[0] if text else (type(exc).__name__ if not isinstance(exc, str) else "")
 
@@ -68,53 +65,6 @@ def timeout_error(call: OpCall, rep: board.Report | None, cause: str | None) -> 
         stacks=None if rep is None else rep.stacks,
         straggler=None if rep is None else rep.straggler,
     )
-
-
-def peer_closed(call: OpCall, text: str) -> BaseException:
-    """A peer closed the group under ``call``: it timed out first (then this is a timeout too,
-    unless this rank only arrived after that: a straggler), or it died. Marks the group dead."""
-    st, op, seq, start, deadline = call.st, call.op, call.seq, call.start, call.deadline
-    st.mark_dead(f"a peer closed its connection during {op} #{seq}")
-    started_wall = time.time() - (current_time() - start)
-    # Under fastdist run the agent records a death within its monitor interval: a dead rank is
-    # named at once, with how it ended, instead of waited for by the report.
-    try:
-        bound = deadline - current_time() + GRACE_SECONDS if math.isfinite(deadline) else math.inf
-        dead = job.deaths_since(started_wall, st.global_ranks or [], DEATH_WAIT, bound)
-    except Exception as exc:  # noqa: BLE001 - the store lives in an agent, frozen or gone with its node
-        # The report would wait behind the unanswered call (a store client serializes its calls):
-        # the error says the store is gone, now, as the report's own failure would.
-        JOB.note_store_failure(exc)
-        reason = f"{JOB.store_gone_reason()}; {op} #{seq} failed: {text}"
-        st.mark_dead(reason, replace=True)
-        return st.aborted(op, reason)
-    if dead:
-        who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
-        # The ranks not connected to the dead one would wait for their deadline: ring them.
-        board.announce(st.seat(frozenset(dead)), op, seq, "aborted", dead=who)
-        reason = f"{who}; {op} #{seq} failed: {text}"
-        st.mark_dead(reason, replace=True)
-        st.presume_gone(list(dead))
-        return st.aborted(op, reason)
-    # The report rings every live rank at once (they answer within its window), and a peer that
-    # timed out posted before it closed the group: no need to wait for this op's deadline too
-    # (a dead rank's peers did, 3.3 s for a 3 s step, before the ring existed).
-    rep = board.report(st.seat(), op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0)
-    cause, why = peer_closed_verdict(rep, started_wall)
-    if rep is None and JOB.failure is not None:
-        why = JOB.store_gone_reason()
-    if cause is not None:
-        assert rep is not None  # a cause comes from a report's timed-out ranks
-        st.mark_dead(f"{op} #{seq} timed out on rank {min(rep.timed_out)}", replace=True)
-        return timeout_error(call, rep, cause)
-    reason = f"{why}; {op} #{seq} failed: {text}"
-    st.mark_dead(reason, replace=True)
-    if rep is not None and rep.silent and not rep.timed_out:
-        # They closed their connections and did not answer the ring: gone. A recovery that may
-        # shrink does not wait for them (see fastdist.recovery). A rank that answered from
-        # outside the op is alive, whatever else failed.
-        st.presume_gone(rep.silent)
-    return st.aborted(op, reason)
 
 
 def peer_closed_verdict(rep: board.Report | None, started_wall: float) -> tuple[str | None, str]:

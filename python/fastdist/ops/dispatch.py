@@ -145,6 +145,10 @@ class WatchedHandle(Work):
         return self._deadline
 
     def wait(self, timeout: TimeoutLike = None) -> bool:
+        """True once the op is done; raises its error (a timeout included) at the op's deadline.
+        With ``timeout`` (seconds, a ``timedelta`` or a deadline object), waits at most that long,
+        and raises a plain :class:`TimeoutError` if it ends before the op's deadline (the op is
+        still watched)."""
         if timeout is None:
             return bool(self._work.wait())
         now = current_time()
@@ -175,6 +179,7 @@ class WatchedHandle(Work):
         return None
 
     def get_future(self) -> Any:
+        """The underlying work's ``torch.futures.Future``."""
         return self._work.get_future()
 
     def _source_rank(self) -> int:

@@ -10,11 +10,18 @@ and the :class:`CollectiveTimeoutError` is built from the report. A peer's fault
 or a backend's error ends as the same timeout or as a :class:`GroupAbortedError` naming whose fault
 it was; the timeout handler runs in the waiting thread, or on fastdist's own for an op nobody
 waits on.
+
+Every change a fault makes to a group is made here: what a peer's fault record does
+(:func:`peer_fault`, applied by the ring's listener, fastdist.ops.listener), a peer's closed
+connection (:func:`peer_closed`), a death ``fastdist run`` recorded (:func:`peer_died`), and an op
+on another group ended so that its rank joins the job's recovery (:func:`tell`).
+fastdist.diagnostics only reads and reports.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -24,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 from .._native import _watched
 from ..deadlines import current_time, run_timeout_handler
-from ..diagnostics import dump, events, verdict
+from ..diagnostics import dump, events, stacks, verdict
 from ..errors import CollectiveTimeoutError, GroupAbortedError, remember
 from ..groups import abort, pgstate, registry
 from ..groups.opcall import OpCall
-from ..store import board, job
+from ..store import board, job, ring, seal
+from ..store.bounded import GRACE_SECONDS
 from ..store.job import JOB
 from .work import run_handler_unwaited
 
@@ -37,6 +45,10 @@ if TYPE_CHECKING:
 
 # What kind of fault an op met, as the C++ side says it.
 Kind = _watched.FaultKind
+
+# How long a peer's closed connection waits for fastdist run's record of a death (its agent polls
+# every 0.1 s).
+DEATH_WAIT = 0.5
 
 # Whether Ctrl-C ended an op of this process (the exit then does not wait for it to end in gloo).
 _interrupted = False
@@ -106,7 +118,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
         _run_handler(err, info["waiter"])
         return err
     if said == verdict.PEER_CLOSED:
-        err = verdict.peer_closed(call, text)
+        err = peer_closed(call, text)
         if isinstance(err, CollectiveTimeoutError):
             _run_handler(err, info["waiter"])
         return err
@@ -116,7 +128,7 @@ def _build_error(ctl_id: int, info: dict[str, Any]) -> BaseException:
 
 
 def _remote(call: OpCall, info: dict[str, Any]) -> BaseException:
-    """A peer reported a fault on the group (fastdist.diagnostics.listener) while this rank's op
+    """A peer reported a fault on the group (fastdist.ops.listener) while this rank's op
     ``call`` was in flight. In the same op: the same timeout, with the same report (everyone
     raises together). In another: the group is dead under this op; say whose fault it was."""
     pg, st, op, seq, start, deadline = call.pg, call.st, call.op, call.seq, call.start, call.deadline
@@ -133,7 +145,7 @@ def _remote(call: OpCall, info: dict[str, Any]) -> BaseException:
     if peer.get("state") == "interrupted":
         return _aborted(pg, st, op, f"{who} was interrupted (KeyboardInterrupt) in {what}")
     if peer.get("state") == "told" and isinstance(peer.get("dead"), str):
-        return _aborted(pg, st, op, peer["dead"])  # the job recovers (fastdist.diagnostics.listener)
+        return _aborted(pg, st, op, peer["dead"])  # the job recovers (fastdist.ops.listener)
     if peer.get("state") == "dead" and isinstance(peer.get("dead"), str):
         return _aborted(pg, st, op, f"{peer['dead']}: fastdist run's record")  # (the launcher's notice)
     if isinstance(peer.get("dead"), str):
@@ -255,3 +267,148 @@ def timed_out(
             began = time.time() - (current_time() - call.start)
             job.name_missing(silent, st.my_global_rank, f"{call.name} on group {st.name!r}", began)
     return verdict.timeout_error(call, rep, cause)
+
+
+# A peer's fault, a peer's closed connection, a death fastdist run recorded: what each does to the
+# group (marked dead, its ops in flight failed, the ring forwarded, the report posted).
+
+
+def peer_closed(call: OpCall, text: str) -> BaseException:
+    """A peer closed the group under ``call``: it timed out first (then this is a timeout too,
+    unless this rank only arrived after that: a straggler), or it died. Marks the group dead."""
+    st, op, seq, start, deadline = call.st, call.op, call.seq, call.start, call.deadline
+    st.mark_dead(f"a peer closed its connection during {op} #{seq}")
+    started_wall = time.time() - (current_time() - start)
+    # Under fastdist run the agent records a death within its monitor interval: a dead rank is
+    # named at once, with how it ended, instead of waited for by the report.
+    try:
+        bound = deadline - current_time() + GRACE_SECONDS if math.isfinite(deadline) else math.inf
+        dead = job.deaths_since(started_wall, st.global_ranks or [], DEATH_WAIT, bound)
+    except Exception as exc:  # noqa: BLE001 - the store lives in an agent, frozen or gone with its node
+        # The report would wait behind the unanswered call (a store client serializes its calls):
+        # the error says the store is gone, now, as the report's own failure would.
+        JOB.note_store_failure(exc)
+        reason = f"{JOB.store_gone_reason()}; {op} #{seq} failed: {text}"
+        st.mark_dead(reason, replace=True)
+        return st.aborted(op, reason)
+    if dead:
+        who = "; ".join(f"rank {r} is dead ({how})" for r, how in sorted(dead.items()))
+        # The ranks not connected to the dead one would wait for their deadline: ring them.
+        board.announce(st.seat(frozenset(dead)), op, seq, "aborted", dead=who)
+        reason = f"{who}; {op} #{seq} failed: {text}"
+        st.mark_dead(reason, replace=True)
+        st.presume_gone(list(dead))
+        return st.aborted(op, reason)
+    # The report rings every live rank at once (they answer within its window), and a peer that
+    # timed out posted before it closed the group: no need to wait for this op's deadline too
+    # (a dead rank's peers did, 3.3 s for a 3 s step, before the ring existed).
+    rep = board.report(st.seat(), op, seq, "aborted", deadline - start if math.isfinite(deadline) else 1.0)
+    cause, why = verdict.peer_closed_verdict(rep, started_wall)
+    if rep is None and JOB.failure is not None:
+        why = JOB.store_gone_reason()
+    if cause is not None:
+        assert rep is not None  # a cause comes from a report's timed-out ranks
+        st.mark_dead(f"{op} #{seq} timed out on rank {min(rep.timed_out)}", replace=True)
+        return verdict.timeout_error(call, rep, cause)
+    reason = f"{why}; {op} #{seq} failed: {text}"
+    st.mark_dead(reason, replace=True)
+    if rep is not None and rep.silent and not rep.timed_out:
+        # They closed their connections and did not answer the ring: gone. A recovery that may
+        # shrink does not wait for them (see fastdist.recovery). A rank that answered from
+        # outside the op is alive, whatever else failed.
+        st.presume_gone(rep.silent)
+    return st.aborted(op, reason)
+
+
+def peer_died(death: dict[str, Any], default: Any) -> None:
+    """``fastdist run``'s agent saw rank ``death["rank"]`` die (its record: how, when). On an
+    NCCL-like group that holds it, the collectives in flight may never end on their own (a kernel
+    spins until the deadline): they fail now with the record, and the communicators are aborted
+    (fastdist.ops.watching); with none in flight the group is marked dead, so the next op is
+    refused at once. gloo's groups learn it from their closed connections: left alone. A group
+    whose generation began after the death (rebuilt since, or this process is the dead rank's
+    replacement) is left alone too. ``default``: the default group, or None."""
+    dead = death["rank"]
+    said = f"rank {dead} is dead ({death['how']})"
+    told: list[tuple[Any, Any]] = []  # groups without the dead rank
+    for pg in registry.watched_groups():
+        st = pgstate.state_of(pg)
+        ranks = st.global_ranks or []
+        if dead == st.my_global_rank or st.began > death["time"]:
+            continue
+        if dead not in ranks:
+            told.append((pg, st))
+            continue
+        if not st.polled:
+            continue
+        reason = f"{said}: fastdist run's record"
+        detail = json.dumps({"rank": ranks.index(dead), "op": "", "seq": 0, "state": "dead", "dead": said})
+        failed = False
+        for b in registry.backends_of(pg):
+            failed = b.fail_remote(detail, reason) or failed
+        if not failed:
+            st.mark_dead(reason)
+    # The job recovers: an op on a group without the dead rank would hold this rank out of it.
+    if not told or default is None:
+        return
+    dst = pgstate.state_of(default)
+    with dst.generation_lock:  # (a recovery that began since rebuilds these groups: not news)
+        if dst.began <= death["time"]:
+            for pg, st in told:
+                tell(pg, st, f"{said}: fastdist run's record", "", 0)
+
+
+def peer_fault(store: Any, st: GroupState, pg: Any, fault: dict[str, Any], raw: bytes) -> None:
+    """Applies a peer's fault record (``fault``, parsed from ``raw``: fastdist.ops.listener) to ``pg``,
+    of the fault's generation (the caller holds ``st.generation_lock``): forwards the ring, posts
+    this rank's status to the board, and fails its ops in flight on the group or marks it dead;
+    a fault on the default group ends the ops in flight on every other group too (:func:`tell`)."""
+    record = raw.decode() if isinstance(raw, bytes) else str(raw)
+    for child in st.ring_children(fault["root"], ring.dead_of(fault)):
+        ring.deliver(store, child, record)
+    backends = registry.backends_of(pg)
+    inflight = sorted((op for b in backends for op in b.inflight_ops()), key=lambda o: o[1])
+    seat = dataclasses.replace(st.seat(), store=store)
+    if inflight:
+        op, seq, thread, _start = inflight[0]
+        status = seat.status(op, seq, "in_op", stack=stacks.stack_of(thread))
+    else:
+        status = seat.status("", 0, "elsewhere", stack=stacks.stack_of(stacks.issuer(backends)))
+    if board.post_status(seat, status):
+        # This rank's post completed the board: it publishes the summary, before it ends its
+        # ops (ending one can run that op's own report, which waits for the summary, here).
+        board.publish(seat)
+    verb = {"timed_out": "timed out in", "interrupted": "was interrupted (KeyboardInterrupt) in"}.get(
+        str(fault.get("state")), "failed in"
+    )
+    reason = (
+        f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']}{verdict.gil_note(fault)} and aborted "
+        f"group {st.name!r} while this rank was in no op on it"
+    )
+    if isinstance(fault.get("dead"), str):
+        reason = f"{fault['dead']}; {reason}"
+    for b in backends:
+        b.fail_remote(seal.opened(record, "fault record") or "{}", reason)  # (the record itself)
+    if not inflight:  # (an op in flight counts its fault where it fails: fastdist.ops.watching)
+        st.mark_dead(reason)
+        events.emit("abort", st.my_global_rank, st.name, st.generation, str(fault["op"]), reason=reason)
+    if st.is_default:  # the whole job recovers: an op on another group would hold this rank
+        what = f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']} and aborted group 'default'"
+        for other in registry.watched_groups():
+            if other is not pg:
+                ost = pgstate.state_of(other)
+                tell(other, ost, what, str(fault["op"]), int(fault["seq"]))
+
+
+def tell(pg: Any, st: GroupState, what: str, op: str, seq: int) -> None:
+    """The job must recover (``what`` happened on a group this rank holds with ``pg``, or to a
+    rank outside ``pg``): an op in flight on ``pg`` would keep this rank out of the recovery until
+    its own deadline (the live ranks' recovery may give up on it first), so it ends now, saying
+    why. A group with no op in flight is left as it is (the next op on the default group fails)."""
+    backends = registry.backends_of(pg)
+    if not any(b.inflight_ops() for b in backends):
+        return
+    said = f"{what}; this rank's op on group {st.name!r} was ended so that it joins the job's recovery"
+    detail = json.dumps({"rank": -1, "op": op, "seq": seq, "state": "told", "dead": said})
+    for b in backends:
+        b.fail_remote(detail, said)

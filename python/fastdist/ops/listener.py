@@ -7,7 +7,8 @@ wake-ups and no store traffic. A rung rank forwards the ring to its children, po
 (the op it is in on that group, and the Python stack of the thread that issued it, or of its
 main thread when it is in none) to the group's board, then fails its ops in flight on the group
 (their waiters raise at once; on NCCL the communicators are aborted) or, with none in flight,
-marks the group dead.
+marks the group dead. This thread reads and routes; what a fault does to a group is
+fastdist.ops.fault's (:func:`fastdist.ops.fault.peer_fault`, :func:`fastdist.ops.fault.peer_died`).
 
 What is and is not possible: a rank stopped (SIGSTOP), dead, or holding the GIL in a long C call
 cannot answer; the report says it did not answer. On gloo an op in flight cannot be aborted:
@@ -17,18 +18,16 @@ timeout, shortly after.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import json
 import logging
 import threading
 from typing import Any
 
 from ..groups import pgstate, registry
-from ..store import board, keys, keywait, ring, seal
+from ..store import job, keys, keywait, ring, seal
 from ..store.bounded import bounded
 from ..store.etcd import queues_of
-from . import events, stacks, verdict
+from . import fault
 
 logger = logging.getLogger(__name__)
 
@@ -119,17 +118,17 @@ class _Listener(threading.Thread):
             if rec["kind"] == "exit":
                 return
             if rec["kind"] == "death":
-                death = keys.parse_record(raw, _DEATH_FIELDS)
+                death = keys.parse_record(raw, job.DEATH_FIELDS)
                 if death is not None:
                     _handle_death(death)
                 continue
-            fault = keys.parse_record(raw, _FAULT_FIELDS)
-            if fault is None:
+            peer = keys.parse_record(raw, _FAULT_FIELDS)
+            if peer is None:
                 continue
             try:
                 if poster is conn:
                     conn.set_timeout(short)  # short operations: the job's store timeout
-                _handle(poster, fault, raw)
+                _handle(poster, peer, raw)
             except Exception as exc:  # noqa: BLE001 - a listener must outlive one bad fault
                 logger.warning("fastdist: handling a peer's fault failed: %r", exc)
             finally:
@@ -138,42 +137,8 @@ class _Listener(threading.Thread):
 
 
 def _handle_death(death: dict[str, Any]) -> None:
-    """``fastdist run``'s agent saw rank ``death["rank"]`` die (its record: how, when). On an
-    NCCL-like group that holds it, the collectives in flight may never end on their own (a kernel
-    spins until the deadline): they fail now with the record, and the communicators are aborted
-    (fastdist.ops.watching); with none in flight the group is marked dead, so the next op is
-    refused at once. gloo's groups learn it from their closed connections: left alone. A group
-    whose generation began after the death (rebuilt since, or this process is the dead rank's
-    replacement) is left alone too."""
-    dead = death["rank"]
-    said = f"rank {dead} is dead ({death['how']})"
-    told: list[tuple[Any, Any]] = []  # groups without the dead rank
-    for pg in registry.watched_groups():
-        st = pgstate.state_of(pg)
-        ranks = st.global_ranks or []
-        if dead == st.my_global_rank or st.began > death["time"]:
-            continue
-        if dead not in ranks:
-            told.append((pg, st))
-            continue
-        if not st.polled:
-            continue
-        reason = f"{said}: fastdist run's record"
-        detail = json.dumps({"rank": ranks.index(dead), "op": "", "seq": 0, "state": "dead", "dead": said})
-        failed = False
-        for b in registry.backends_of(pg):
-            failed = b.fail_remote(detail, reason) or failed
-        if not failed:
-            st.mark_dead(reason)
-    # The job recovers: an op on a group without the dead rank would hold this rank out of it.
-    default = _default_group()
-    if not told or default is None:
-        return
-    dst = pgstate.state_of(default)
-    with dst.generation_lock:  # (a recovery that began since rebuilds these groups: not news)
-        if dst.began <= death["time"]:
-            for pg, st in told:
-                _tell(pg, st, f"{said}: fastdist run's record", "", 0)
+    """``fastdist run``'s agent saw rank ``death["rank"]`` die: fastdist.ops.fault applies it."""
+    fault.peer_died(death, _default_group())
 
 
 def _default_group() -> Any:
@@ -182,77 +147,23 @@ def _default_group() -> Any:
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
-_DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
-
-
 # The faults handled: a rank can be rung twice for one (its ringer rings the ranks whose ring
 # parent stayed silent again, directly: fastdist.store.board.report; the first ring may have come from its
 # watched backend, in C++), and acts once.
 _handled: set[tuple[Any, ...]] = set()
 
 
-def _handle(store: Any, fault: dict[str, Any], raw: bytes) -> None:
-    key = tuple(fault[k] for k in ("group", "gen", "root", "op", "seq"))
+def _handle(store: Any, rec: dict[str, Any], raw: bytes) -> None:
+    """A peer's fault record ``rec`` (``raw``, as it came): fastdist.ops.fault applies it to the group
+    of its generation, once."""
+    key = tuple(rec[k] for k in ("group", "gen", "root", "op", "seq"))
     if key in _handled:
         return
     _handled.add(key)
     for pg in registry.watched_groups():
         st = pgstate.state_of(pg)
-        if st.name != fault["group"] or st.generation != fault["gen"]:
+        if st.name != rec["group"] or st.generation != rec["gen"]:
             continue
         with st.generation_lock:  # a recovery rebuilding the group in place waits, or is not news
-            if st.generation == fault["gen"]:
-                _apply(store, st, pg, fault, raw)
-
-
-def _apply(store: Any, st: Any, pg: Any, fault: dict[str, Any], raw: bytes) -> None:
-    """Applies a peer's fault to ``pg`` (of the fault's generation, held there)."""
-    record = raw.decode() if isinstance(raw, bytes) else str(raw)
-    for child in st.ring_children(fault["root"], ring.dead_of(fault)):
-        ring.deliver(store, child, record)
-    backends = registry.backends_of(pg)
-    inflight = sorted((op for b in backends for op in b.inflight_ops()), key=lambda o: o[1])
-    seat = dataclasses.replace(st.seat(), store=store)
-    if inflight:
-        op, seq, thread, _start = inflight[0]
-        status = seat.status(op, seq, "in_op", stack=stacks.stack_of(thread))
-    else:
-        status = seat.status("", 0, "elsewhere", stack=stacks.stack_of(stacks.issuer(backends)))
-    if board.post_status(seat, status):
-        # This rank's post completed the board: it publishes the summary, before it ends its
-        # ops (ending one can run that op's own report, which waits for the summary, here).
-        board.publish(seat)
-    verb = {"timed_out": "timed out in", "interrupted": "was interrupted (KeyboardInterrupt) in"}.get(
-        str(fault.get("state")), "failed in"
-    )
-    reason = (
-        f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']}{verdict.gil_note(fault)} and aborted "
-        f"group {st.name!r} while this rank was in no op on it"
-    )
-    if isinstance(fault.get("dead"), str):
-        reason = f"{fault['dead']}; {reason}"
-    for b in backends:
-        b.fail_remote(seal.opened(record, "fault record") or "{}", reason)  # (the record itself)
-    if not inflight:  # (an op in flight counts its fault where it fails: fastdist.ops.watching)
-        st.mark_dead(reason)
-        events.emit("abort", st.my_global_rank, st.name, st.generation, str(fault["op"]), reason=reason)
-    if st.is_default:  # the whole job recovers: an op on another group would hold this rank
-        what = f"rank {fault['rank']} {verb} {fault['op']} #{fault['seq']} and aborted group 'default'"
-        for other in registry.watched_groups():
-            if other is not pg:
-                ost = pgstate.state_of(other)
-                _tell(other, ost, what, str(fault["op"]), int(fault["seq"]))
-
-
-def _tell(pg: Any, st: Any, what: str, op: str, seq: int) -> None:
-    """The job must recover (``what`` happened on a group this rank holds with ``pg``, or to a
-    rank outside ``pg``): an op in flight on ``pg`` would keep this rank out of the recovery until
-    its own deadline (the live ranks' recovery may give up on it first), so it ends now, saying
-    why. A group with no op in flight is left as it is (the next op on the default group fails)."""
-    backends = registry.backends_of(pg)
-    if not any(b.inflight_ops() for b in backends):
-        return
-    said = f"{what}; this rank's op on group {st.name!r} was ended so that it joins the job's recovery"
-    detail = json.dumps({"rank": -1, "op": op, "seq": seq, "state": "told", "dead": said})
-    for b in backends:
-        b.fail_remote(detail, said)
+            if st.generation == rec["gen"]:
+                fault.peer_fault(store, st, pg, rec, raw)

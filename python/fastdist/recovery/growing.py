@@ -36,9 +36,10 @@ from ..deadlines import (
     get_default_timeout,
     validate_seconds,
 )
-from ..diagnostics import events, listener
+from ..diagnostics import events
 from ..errors import RecoveryError
 from ..groups import pgstate, registry
+from ..ops import listener
 from ..store import keywait
 from ..store.job import JOB
 from . import joining, reconcile, state_sync, wrappers

@@ -33,9 +33,10 @@ from ..deadlines import (
     effective_deadline,
     get_default_timeout,
 )
-from ..diagnostics import events, listener
+from ..diagnostics import events
 from ..errors import RecoveryError
 from ..groups import abort, pgstate, registry
+from ..ops import listener
 from ..store import job, keys
 from ..store.bounded import GRACE_SECONDS, bounded, stuck
 from ..store.job import JOB

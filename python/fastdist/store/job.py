@@ -75,6 +75,8 @@ JOB = Job()
 
 
 def running_key() -> str:
+    """The store key that marks the job running: set by the ranks of its first start once their
+    group is made (see fastdist.recovery.joining)."""
     return keys.key(RUNNING)
 
 
@@ -138,7 +140,8 @@ AGENT_PID_ENV = "FASTDIST_AGENT_PID"
 # not frozen. Outside the store: nobody but this node's processes can fake it.
 HEARTBEAT_DIR_ENV = "FASTDIST_HEARTBEAT_DIR"
 HEARTBEAT_EVERY = 1.0
-_DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
+# A death record's fields (the agent's record in deaths_key, and the one it rings each rank with).
+DEATH_FIELDS: dict[str, type | tuple[type, ...]] = {"rank": int, "how": str, "time": (int, float)}
 
 
 def deaths_since(since: float, ranks: list[int], wait: float, bound: float = math.inf) -> dict[int, str]:
@@ -161,7 +164,7 @@ def deaths_since(since: float, ranks: list[int], wait: float, bound: float = mat
             found: dict[int, str] = {}
             if store.check([deaths_key()]):
                 for line in bytes(store.get(deaths_key())).decode(errors="replace").splitlines():
-                    rec: Any = keys.parse_record(line, _DEATH_FIELDS, "death record")
+                    rec: Any = keys.parse_record(line, DEATH_FIELDS, "death record")
                     if rec is not None and rec["rank"] in ranks and rec["time"] >= since - 1.0:
                         found[rec["rank"]] = rec["how"]
             if found or time.monotonic() >= end or abandoned.is_set():
@@ -267,8 +270,11 @@ def start_heartbeat() -> None:
 
 
 def job_running(store: Any) -> bool:
+    """Whether ``store`` marks the job running: a process that finds the mark before making its
+    group is a joiner."""
     return bool(store.check([running_key()]))
 
 
 def mark_running(store: Any) -> None:
+    """Marks the job running in ``store`` (see :func:`job_running`)."""
     store.set(running_key(), "1")

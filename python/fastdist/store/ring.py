@@ -1,7 +1,7 @@
 """Ringing a group: the first rank to report a fault on a group tells every other live rank.
 
 The ring goes down a binary tree of the group's ranks, rooted at the ringer, each rank forwarding
-it to its two children (fastdist.diagnostics.listener), so every rank does O(1) store operations
+it to its two children (fastdist.ops.listener), so every rank does O(1) store operations
 and the last one hears it after about log2(N) hops. A group of at most :data:`FLAT_RING_MAX`
 ranks is rung by the ringer alone, directly: a push costs a store round trip (about 0.1 ms), a
 hop a listener's wake-up, a parse and a push (about 1 ms on a loaded host). Each rank's inbox is a
