@@ -11,6 +11,8 @@ from . import demo, doctor, launcher
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``fastdist`` command with ``argv`` (default: the command line); returns its exit
+    status. ``fastdist run`` hands every later argument to fastdist.tools.launcher untouched."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         # torchrun's own flags and the script's: not for this parser.

@@ -42,6 +42,7 @@ _PREFIX = "fastdist_demo"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the arguments of ``fastdist demo`` to ``parser``."""
     parser.add_argument("--nproc", type=int, default=3, help="number of local ranks (default 3)")
     parser.add_argument(
         "--timeout",

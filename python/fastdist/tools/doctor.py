@@ -17,6 +17,10 @@ from ..store.etcd import EtcdAccessError, make_client, parse_url, raise_refusal,
 
 @dataclass
 class Check:
+    """One line of ``fastdist doctor``: the check's ``name``, whether it passed (``ok``; None:
+    information only, not needed to join), what it found (``detail``) and what to do about a failure
+    (``fix``)."""
+
     name: str
     ok: bool | None  # None: information only, not needed to join
     detail: str
@@ -24,6 +28,7 @@ class Check:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the arguments of ``fastdist doctor`` to ``parser``."""
     parser.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="default: $MASTER_ADDR")
     parser.add_argument(
         "--master-port",
@@ -64,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_checks(addr: str, port: int, world_size: int | None, rank: int | None, timeout: float) -> list[Check]:
+    """Whether this machine can join the job whose store rank 0 hosts at ``addr``:``port``: name
+    resolution, then for rank 0 whether the port is free, for another rank whether something listens
+    on it, how long a connect takes, a store round trip and the versions against rank 0's record (up
+    to the first check that fails); then this machine's own checks (torch, gloo, NCCL). ``timeout``:
+    seconds for each network check."""
     checks: list[Check] = []
     try:
         ip = rendezvous.resolve(addr, min(timeout, rendezvous.RESOLVE_TIMEOUT))
@@ -308,6 +318,10 @@ def _local_checks() -> list[Check]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs ``fastdist doctor``: the checks ``args`` ask for (this machine's only, an etcd store's,
+    or those of the store at ``--master-addr``:``--master-port``), printed one per line or as JSON.
+    Returns 0 when none failed, else 1. Raises SystemExit with a message when the arguments name
+    no store, or a ``--store`` that is not ``etcd://``."""
     if args.torch_only:
         checks = _local_checks()
     elif args.store:

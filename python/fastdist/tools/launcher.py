@@ -20,15 +20,18 @@ job runs takes the place of a node whose agent is gone (see fastdist.tools.nodes
 Everything else is torchrun's: its flags (``torch.distributed.run``'s parser), its rendezvous
 and its launch (``torch.distributed.launcher.api.launch_agent``), with this agent in place of
 ``LocalElasticAgent``.
+
+Why one file of about 800 lines: :class:`ReplacingAgent` is one class, as torch's agent runs one
+monitor loop whose rules (replace, give a rank to a spare, the script's own error, the missing
+worker, the lost node) share its state; what needs none of it is in fastdist.tools.exits,
+fastdist.tools.liveness and fastdist.tools.launch_args.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import datetime
-import errno
 import logging
 import math
 import os
@@ -36,12 +39,10 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 from unittest import mock
 
@@ -49,12 +50,22 @@ from torch.distributed import DistNetworkError, PrefixStore, TCPStore
 from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing import start_processes
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from ..store import job, keys, ring, seal
-from . import nodes
+from . import liveness, nodes
+from .exits import (
+    NOT_JOINED,
+    PerStartLogs,
+    Raised,
+    describe_exit,
+    error_line,
+    error_of,
+    error_type,
+    traceback_of,
+)
+from .launch_args import busy_port_line, check_args, get_args_parser
 
 logger = logging.getLogger(__name__)
 
@@ -64,118 +75,15 @@ logger = logging.getLogger(__name__)
 # included; a real death's replacement is delayed by this much, a SIGKILLed worker's not at all.
 SAME_ERROR_WINDOW = 3.0
 
-# A worker named missing by a live rank's timeout, silent since, is killed (and so replaced) after
-# this many seconds: the live ranks wait for it in recover() (the README's loop gives it 60 s).
-KILL_MISSING_AFTER = 10.0
-# How often the agent reads the workers' suspicions (one store read; the agent hosts the store).
-SUSPECTS_EVERY = 0.5
 # The errors a death causes on the live ranks (fastdist.errors), and how long after the death an
 # exception exit counts as caused by it (their deadline, the report and the exit, on a loaded host).
 FAULT_ERRORS = {"GroupAbortedError", "CollectiveTimeoutError", "RecoveryError", "FastdistError"}
 FAULT_WINDOW = 120.0
-# How long a process that took a dead rank's place may take to start and join (fastdist.sync_state)
-# before the missing-worker rule applies to it: importing torch, building the model and loading
-# the state take tens of seconds on a busy GPU host, and killing a replacement while it starts
-# spends the job's replacements on one death.
-START_GRACE = 300.0
-# A suspected worker shows a sign of life (it is busy, not frozen) when its heartbeat thread
-# touched its file within this many seconds (fastdist.store.job.start_heartbeat), or when its
-# process used at least BUSY_CPU_SHARE of a core since the agent's last look: then its kill clock
-# starts again.
-HEARTBEAT_STALE = 3.0 * job.HEARTBEAT_EVERY
-BUSY_CPU_SHARE = 0.1
-# The longest --rdzv-id taken (it names the job's keys in the store).
-MAX_RDZV_ID = 256
 
 
 class StoreLost(Exception):
     """The job's store stopped answering this agent: the node that hosts it is lost (main() says
     so and exits 1; torch's ChildFailedError needs a failed worker of this node to name)."""
-
-
-@dataclass
-class _Raised:
-    """A worker that ended with an exception, its replacement not yet decided."""
-
-    seen: float  # time.monotonic() when the agent saw it end
-    local_rank: int
-    rank: int
-    failure: Any  # torch's ProcessFailure
-
-
-def error_line(failure: Any) -> str:
-    """The exception's line (``ValueError: ...``) from the worker's error file, else torch's
-    message (a signal's name, or where to read about tracebacks). torch leaves ``message`` as the
-    file's whole record when the file is in ``@record``'s format."""
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", message)
-    return str(message)
-
-
-def _error_type(failure: Any) -> str:
-    """The exception's class name (``GroupAbortedError``), from :func:`error_line`."""
-    return error_line(failure).split(":", 1)[0].strip().rsplit(".", 1)[-1]
-
-
-def _error_of(failure: Any) -> tuple[int, str]:
-    """What tells two exception exits apart: the exit code and the exception's line (not the
-    time, which the error file's record carries too)."""
-    return failure.exitcode, error_line(failure)
-
-
-def traceback_of(failure: Any) -> str | None:
-    """The worker's traceback from its error file (``@record``'s or fastdist's), else None: the
-    worker wrote no file and printed whatever it had itself."""
-    data = failure.error_file_data.get("message")
-    if isinstance(data, dict):
-        stack = data.get("extraInfo", {}).get("py_callstack")
-        if isinstance(stack, str) and stack.strip():
-            return stack.rstrip("\n")
-        data = data.get("message")
-    if isinstance(data, str) and data and data != "<NONE>":
-        return data
-    return None
-
-
-class _PerStartLogs(LogsSpecs):
-    """torch's logs spec, for a process context of one worker started at any time: its files go
-    to a directory of their own (torch's spec empties one attempt's directory per start)."""
-
-    def __init__(self, inner: LogsSpecs) -> None:
-        super().__init__(inner._root_log_dir, inner._redirects, inner._tee, inner._local_ranks_filter)
-        self._inner = inner
-        self._starts = 0
-
-    @property
-    def root_log_dir(self) -> str:
-        return self._inner.root_log_dir
-
-    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-        self._starts += 1
-        env = envs[0]
-        tagged = dict(env)
-        tagged["TORCHELASTIC_RESTART_COUNT"] = (
-            f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}_start{self._starts}"
-        )
-        dest = self._inner.reify({0: tagged})
-        env["TORCHELASTIC_ERROR_FILE"] = tagged.get("TORCHELASTIC_ERROR_FILE", "")
-        return dest
-
-
-# What a replacement's reduction raises before fastdist.sync_state gave it its slot (the stand-in
-# backend's refusal, csrc/watched/solo.cpp).
-NOT_JOINED = "is a replacement that has not joined the job yet"
-
-
-def describe_exit(exitcode: int) -> str:
-    """``exit by SIGKILL`` / ``exit code 1``."""
-    if exitcode < 0:
-        try:
-            return f"exit by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"exit by signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
@@ -187,13 +95,13 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         max_replacements: int = 3,
         spares: int = 0,
         link: nodes.NodeLink | None = None,
-        kill_missing_after: float = KILL_MISSING_AFTER,
+        kill_missing_after: float = liveness.KILL_MISSING_AFTER,
         node_wait: float = 60.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._link = link  # several nodes: this node's records in the rendezvous store
-        self._logs_specs = _PerStartLogs(self._logs_specs)
+        self._logs_specs = PerStartLogs(self._logs_specs)
         self._contexts: dict[int, Any] = {}  # local rank -> its process context
         self._serves: dict[int, int] = {}  # local rank -> the global rank its process holds
         self._idle_spares: set[int] = set()  # local ranks of spares still waiting
@@ -201,7 +109,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._spares = spares
         self._ended_spares = False
         self._job_client: Any = None
-        self._raised: list[_Raised] = []  # exception exits waiting for SAME_ERROR_WINDOW
+        self._raised: list[Raised] = []  # exception exits waiting for SAME_ERROR_WINDOW
         self._replaced_errors: dict[int, tuple[int, str]] = {}  # rank -> its last replaced one
         self.story: list[str] = []
         self.showed_root_cause = False
@@ -367,7 +275,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         if self._raised:
             return self._settle_raised(worker_group) or RunResult(state=WorkerState.HEALTHY)
         if (math.isfinite(self._kill_missing_after) or self._link is not None) and (
-            time.monotonic() - self._suspects_read >= SUSPECTS_EVERY
+            time.monotonic() - self._suspects_read >= liveness.SUSPECTS_EVERY
         ):
             self._suspects_read = time.monotonic()
             read = self._read_suspects(worker_group)
@@ -401,7 +309,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 return None
             text = bytes(store.get(job.suspects_key())).decode(errors="replace")
         except Exception as exc:  # noqa: BLE001 - the store is failing: the ranks' deadlines still hold
-            if not self._suspects_failed:  # once: this runs every SUSPECTS_EVERY
+            if not self._suspects_failed:  # once: this runs every liveness.SUSPECTS_EVERY
                 self._suspects_failed = True
                 logger.warning("fastdist run: could not read the workers' suspicions: %r", exc)
             return None
@@ -433,7 +341,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._lost_nodes = {}
         try:
             for rank, rec in suspicion.items():
-                if rank in here or _since(rec) < answered.get(rank, 0.0):
+                if rank in here or liveness.since(rec) < answered.get(rank, 0.0):
                     continue
                 slot = link.node_of(rank)
                 if slot is None or slot.group_rank == link.slot.group_rank or slot.group_rank in watched:
@@ -485,14 +393,14 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             if (
                 rec is None
                 or ctx is None
-                or _since(rec) < max(answered.get(rank, 0.0), self._serving_since.get(lr, 0.0))
+                or liveness.since(rec) < max(answered.get(rank, 0.0), self._serving_since.get(lr, 0.0))
             ):
                 if self._suspected.pop(lr, math.inf) < math.inf:
                     self._say(f"rank {rank} (local rank {lr}) answered: not killed")
                 self._said_busy.discard(lr)
                 continue
             pid = int(ctx.pids()[0])
-            if lr in self._unjoined and time.time() - self._serving_since.get(lr, 0.0) < START_GRACE:
+            if lr in self._unjoined and time.time() - self._serving_since.get(lr, 0.0) < liveness.START_GRACE:
                 try:
                     starting = not store.check([job.joined_key(rank)])
                 except Exception:  # noqa: BLE001 - the store is failing: not killed on a guess
@@ -502,13 +410,13 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                         self._suspected[lr] = math.inf
                         self._say(
                             f"rank {rank} (local rank {lr}, pid {pid}) is a replacement still starting (it "
-                            f"has not joined the job yet): not killed before it joins or {START_GRACE:.0f} s "
-                            "pass"
+                            "has not joined the job yet): not killed before it joins or "
+                            f"{liveness.START_GRACE:.0f} s pass"
                         )
                     continue
                 if self._suspected.get(lr) == math.inf:
                     self._suspected.pop(lr)  # joined: the rule applies from now on
-            life = self._sign_of_life(pid)
+            life = liveness.sign_of_life(pid, self._cpu_seen)
             if life is not None and self._suspected.get(lr) != math.inf:
                 # Busy in user code (an evaluation, a loader wait, a checkpoint write), not frozen:
                 # its peers' recovery waits for it; killing it would lose its work and a
@@ -526,47 +434,20 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 self._suspected[lr] = time.monotonic()
                 self._say(
                     f"rank {rank} (local rank {lr}, pid {pid}) did not answer rank {rec.get('by')} in "
-                    f"{rec.get('what')}: its process is {_process_state(pid)}; killed in "
+                    f"{rec.get('what')}: its process is {liveness.process_state(pid)}; killed in "
                     f"{self._kill_missing_after:g} s unless it answers (--kill-missing-after)"
                 )
             elif time.monotonic() - self._suspected[lr] >= self._kill_missing_after:
                 self._say(
-                    f"rank {rank} (pid {pid}) still does not answer ({_process_state(pid)}): killed, "
+                    f"rank {rank} (pid {pid}) still does not answer ({liveness.process_state(pid)}): killed, "
                     "to be replaced"
                 )
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 self._suspected[lr] = math.inf  # said and done: its death comes through ctx.wait
 
-    def _sign_of_life(self, pid: int) -> str | None:
-        """Why worker ``pid`` is busy rather than frozen, in words, or None:
-        its heartbeat thread answers (fastdist.store.job.start_heartbeat), or its process used
-        CPU since the agent's last look (a long C call holding the GIL stops the heartbeat, not
-        the CPU). A stopped process shows neither."""
-        fields, now = _stat_fields(pid), time.monotonic()
-        if fields is None or fields[0] in ("T", "t"):  # gone, or stopped
-            return None
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # user + system
-        before = self._cpu_seen.get(pid)
-        self._cpu_seen[pid] = (cpu, now)
-        folder = os.environ.get(job.HEARTBEAT_DIR_ENV, "")
-        # A main thread in uninterruptible sleep (a hung driver) is stuck whatever its
-        # heartbeat thread does: only CPU counts then.
-        if folder and fields[0] != "D":
-            try:
-                age = time.time() - os.stat(job.heartbeat_file(folder, pid)).st_mtime
-            except OSError:
-                age = math.inf
-            if age < HEARTBEAT_STALE:
-                return f"its heartbeat thread answered {max(age, 0.0):.1f} s ago"
-        if before is None or not 0 < now - before[1] <= 4 * SUSPECTS_EVERY:
-            return None  # (no recent look to compare with: the next one says)
-        if (cpu - before[0]) / (now - before[1]) >= BUSY_CPU_SHARE:
-            return f"it used {cpu - before[0]:.1f} s of CPU in the last {now - before[1]:.1f} s"
-        return None
-
     def _tell_the_living(self, worker_group: WorkerGroup, store: Any, record: dict[str, Any]) -> None:
-        """Puts the death in every other rank's fault inbox (fastdist.diagnostics.listener): on
+        """Puts the death in every other rank's fault inbox (fastdist.ops.listener): on
         NCCL a peer's death may never end the collective the live ranks are in (a kernel spins
         until the deadline), so they hear it from here, at once. (gloo's ops fail as soon as the
         dead rank's connections close; its groups ignore this.)"""
@@ -634,8 +515,8 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 failure,
             )
         if failure.exitcode > 0:  # an exception: perhaps the script's own error (_settle_raised)
-            self._raised.append(_Raised(time.monotonic(), lr, rank, failure))
-            if self._replaced_errors.get(rank) == _error_of(failure):
+            self._raised.append(Raised(time.monotonic(), lr, rank, failure))
+            if self._replaced_errors.get(rank) == error_of(failure):
                 return self._script_error(worker_group, f"as the process it replaced did ({how})")
             return None
         return self._give_rank(worker_group, lr, rank, failure)
@@ -700,7 +581,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         if time.monotonic() - alone.seen < SAME_ERROR_WINDOW:
             return None
         self._raised.clear()
-        self._replaced_errors[alone.rank] = _error_of(alone.failure)
+        self._replaced_errors[alone.rank] = error_of(alone.failure)
         self._show_error(f"rank {alone.rank}'s error (pid {alone.failure.pid})", alone.failure)
         return self._give_rank(worker_group, alone.local_rank, alone.rank, alone.failure)
 
@@ -716,7 +597,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             self.verdict = (
                 f"rank {death[1]} died ({death[2]}), and then rank{'s' if len(raised) > 1 else ''} {ranks} "
                 f"ended with the fault{'s' if len(raised) > 1 else ''} it caused "
-                f"({', '.join(sorted({_error_type(r.failure) for r in raised}))}): the job "
+                f"({', '.join(sorted({error_type(r.failure) for r in raised}))}): the job "
                 "cannot go on without their state (a loop that calls fastdist.recover() on a FastdistError "
                 "survives this)"
             )
@@ -735,7 +616,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         root = raised[0]
         self._show_error(f"root cause: rank {root.rank} (pid {root.failure.pid})", root.failure)
         for other in raised[1:]:
-            same = _error_of(other.failure) == _error_of(root.failure)
+            same = error_of(other.failure) == error_of(root.failure)
             what = "the same error" if same else error_line(other.failure)
             if traceback_of(other.failure) is None:
                 what = describe_exit(other.failure.exitcode) + " (its output above says why)"
@@ -743,13 +624,13 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self.showed_root_cause = True
         return RunResult(state=WorkerState.FAILED, failures={r.rank: r.failure for r in raised})
 
-    def _first_cause(self, raised: list[_Raised]) -> tuple[float, int, str] | None:
+    def _first_cause(self, raised: list[Raised]) -> tuple[float, int, str] | None:
         """The death by signal that the exception exits ``raised`` followed (within FAULT_WINDOW
         before the first of them), when every one of them ended on a fastdist fault (the errors a
         death causes on the live ranks); else None: the script's own error."""
         first = min(r.seen for r in raised)
         deaths = [d for d in self._deaths if first - FAULT_WINDOW <= d[0] <= first]
-        faults = all(_error_type(r.failure) in FAULT_ERRORS for r in raised)
+        faults = all(error_type(r.failure) in FAULT_ERRORS for r in raised)
         return deaths[-1] if deaths and faults else None
 
     def _show_error(self, title: str, failure: Any) -> None:
@@ -791,174 +672,10 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         return RunResult(state=WorkerState.FAILED, failures={rank: failure})
 
 
-def _since(rec: dict[str, Any]) -> float:
-    """When the op a suspicion record names began (its writing time, for a record without it)."""
-    since = rec.get("since")
-    return float(since) if isinstance(since, (int, float)) else float(rec["time"])
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """Process ``pid``'s /proc/PID/stat after its name: [0] its state, [11] and [12] its user
-    and system CPU ticks (all its threads); None when it is gone or unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields if len(fields) > 12 and fields[11].isdigit() and fields[12].isdigit() else None
-
-
-def _process_state(pid: int) -> str:
-    """What /proc says process ``pid`` is doing, in words."""
-    fields = _stat_fields(pid)
-    if fields is None:
-        return "gone or unreadable"
-    state = fields[0]
-    return {
-        "T": "stopped (SIGSTOP or a debugger)",
-        "t": "stopped by a debugger",
-        "D": "in uninterruptible sleep (a driver or disk wait)",
-        "R": "running",
-        "S": "sleeping",
-        "Z": "a zombie",
-    }.get(state, f"in state {state}")
-
-
-def get_args_parser() -> argparse.ArgumentParser:
-    """torchrun's parser plus fastdist's flags."""
-    from torch.distributed.run import get_args_parser as torchrun_parser
-
-    parser = torchrun_parser()
-    parser.prog = "fastdist run"
-    parser.description = "torchrun, except that a dead worker is replaced and the others keep running"
-    parser.add_argument(
-        "--max-replacements",
-        type=int,
-        default=3,
-        help="how many dead workers to replace (new processes) before the job ends (default 3)",
-    )
-    parser.add_argument(
-        "--spares",
-        type=int,
-        default=0,
-        help="the last N processes of --nproc-per-node hold no rank; each takes a dead rank's place",
-    )
-    parser.add_argument(
-        "--kill-missing-after",
-        type=float,
-        default=KILL_MISSING_AFTER,
-        help="a worker that a live rank's timeout named missing (it neither reached the op nor "
-        "answered: stopped, or stuck in the kernel or a driver) and that has shown no sign of life "
-        f"since is killed after this many seconds, and so replaced (default {KILL_MISSING_AFTER:.0f}; "
-        "inf: never). A busy worker is not killed: its heartbeat thread answers, or it uses CPU (an "
-        "evaluation, a loader wait, a checkpoint write, a long C call); a replacement still starting "
-        f"is not killed before it joins the job or {START_GRACE:.0f} s pass",
-    )
-    parser.add_argument(
-        "--node-wait",
-        type=float,
-        default=60.0,
-        help="several nodes: an agent started while the job runs waits this long (seconds) for a "
-        "node whose agent is gone, and takes its place (default 60)",
-    )
-    return parser
-
-
-def _refuse(text: str) -> NoReturn:
-    """Ends the launcher with one line on stderr (exit code 1), before anything was started."""
-    raise SystemExit(f"fastdist run: {text}")
-
-
-def _node_counts(nnodes: str) -> tuple[int, int]:
-    from torch.distributed.run import parse_min_max_nnodes
-
-    try:
-        low, high = parse_min_max_nnodes(nnodes)
-    except (ValueError, RuntimeError):
-        _refuse(f"--nnodes must be N or MIN:MAX (whole numbers), got {nnodes!r}")
-    if not 0 < low <= high:
-        _refuse(f"--nnodes must be at least 1 (and MIN <= MAX), got {nnodes!r}")
-    return int(low), int(high)
-
-
-def _local_workers(nproc: str) -> int:
-    """--nproc-per-node as a count of processes (torch's words for auto/cpu/gpu), at least 1."""
-    from torch.distributed.run import determine_local_world_size
-
-    try:
-        count = int(determine_local_world_size(nproc))
-    except ValueError as exc:
-        _refuse(f"--nproc-per-node {nproc}: {exc}")
-    if count < 1:
-        _refuse(f"--nproc-per-node must be at least 1, got {nproc}")
-    return count
-
-
-def _store_port(args: argparse.Namespace) -> int | None:
-    """The port this agent's store will listen on: --master-port, with torch's static rendezvous
-    (one node: several need c10d). Else none to check: torch picks a free port (no
-    --master-port), or the rendezvous endpoint's host listens."""
-    static = args.rdzv_backend == "static" and not args.rdzv_endpoint and not args.standalone
-    if not static or args.node_rank != 0 or args.master_port is None:
-        return None
-    return int(args.master_port)
-
-
-def _port_taken(port: int) -> bool:
-    """Whether something on this host already listens on ``port`` (as torch's TCPStore binds:
-    every address, SO_REUSEADDR, so that a port a finished job left in TIME_WAIT is free)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
-
-
-def _busy_port_line(port: int, flag: str = "--master-port") -> str:
-    return (
-        f"port {port} ({flag}) is already in use on this host (another job's store, or another "
-        "process): give a free port, or stop what holds it"
-    )
-
-
-def check_args(args: argparse.Namespace) -> tuple[int, int]:
-    """Refuses what cannot run, one line naming the flag, before anything starts (torch would
-    start an agent and fail with a traceback, or, for spares that leave no worker, train
-    nothing and exit 0). Returns (the local worker count, the most nodes)."""
-    if args.max_replacements < 0:
-        _refuse("--max-replacements must be >= 0")
-    if args.spares < 0:
-        _refuse("--spares must be >= 0")
-    if args.max_restarts:
-        _refuse("--max-restarts restarts every worker; use --max-replacements")
-    if not args.node_wait > 0:  # (NaN too)
-        _refuse("--node-wait must be > 0")
-    if not args.kill_missing_after > 0:
-        _refuse("--kill-missing-after must be > 0 (inf: never)")
-    if len(str(args.rdzv_id)) > MAX_RDZV_ID:
-        # (it prefixes every key of the job in the store: a 20,000-character one failed there,
-        # and was told as the store's node lost)
-        _refuse(f"--rdzv-id is {len(str(args.rdzv_id))} characters long: at most {MAX_RDZV_ID}")
-    _, max_nodes = _node_counts(str(args.nnodes))
-    if max_nodes > 1:
-        if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
-            _refuse("several nodes need --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
-        if args.spares:
-            _refuse("--spares is for one node (--nnodes 1) for now")
-    workers = _local_workers(str(args.nproc_per_node))
-    if args.spares >= workers:
-        _refuse(
-            f"--spares {args.spares} leaves no process of --nproc-per-node {workers} to train: give fewer"
-        )
-    port = _store_port(args)
-    if port is not None and _port_taken(port):
-        _refuse(_busy_port_line(port))
-    return workers, max_nodes
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    """``fastdist run ARGS``: parses and checks torchrun's and fastdist's flags, then runs torchrun
+    with :class:`ReplacingAgent` in place of its agent; returns the exit code (1 when the job
+    failed, after the story of what happened)."""
     args = get_args_parser().parse_args(argv)
     _, max_nodes = check_args(args)
     link: nodes.NodeLink | None = None
@@ -994,7 +711,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    # Where they show they are alive though busy (their heartbeat threads: _sign_of_life).
+    # Where they show they are alive though busy (their heartbeat threads: fastdist.tools.liveness).
     heartbeats = tempfile.mkdtemp(prefix="fastdist-heartbeat-")
     os.environ[job.HEARTBEAT_DIR_ENV] = heartbeats
 
@@ -1053,7 +770,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if taken is None:
             raise
         flag = "--master-port" if args.rdzv_backend == "static" else "--rdzv-endpoint"
-        print(f"fastdist run: {_busy_port_line(int(taken.group(1)), flag)}", file=sys.stderr)
+        print(f"fastdist run: {busy_port_line(int(taken.group(1)), flag)}", file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(heartbeats, ignore_errors=True)

@@ -66,6 +66,8 @@ class NodeLink:
         self._beats: dict[int, tuple[int, float]] = {}  # node -> (its beat, when it last moved)
 
     def store(self, timeout: float = 30.0) -> Any:
+        """The rendezvous store at the endpoint, under this run's prefix (``fastdist/run/RUN_ID/``),
+        connected on first use (``timeout``: seconds, the store's timeout)."""
         if self._store is None:
             host, port = parse_rendezvous_endpoint(self.endpoint, default_port=_DEFAULT_PORT)
             client = TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
