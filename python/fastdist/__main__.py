@@ -1,3 +1,5 @@
+"""``python -m fastdist``: the ``fastdist`` command (fastdist.tools.cli)."""
+
 import sys
 
 from .tools.cli import main

@@ -205,10 +205,15 @@ class LoaderState:
         self.loader = loader
 
     def state_dict(self) -> dict[str, Any]:
+        """The RNG states the loader's generators were set to at the start of its current epoch in
+        this process, as ``{"epoch_start": ...}`` (empty before any epoch started)."""
         started = _epochs_of(self.loader.synchronized_generator).start
         return {"epoch_start": dict(started) if started is not None else {}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Takes the epoch-start RNG states of ``sd`` (a :meth:`state_dict`) for the loader's first
+        epoch when it has started none in this process (a joiner); a process already in an epoch
+        keeps its own. Raises TypeError when ``sd`` is not a LoaderState's state dict."""
         if not isinstance(sd, dict) or not isinstance(sd.get("epoch_start"), dict):
             raise TypeError(f"not a LoaderState's state_dict: {sd!r}")
         epochs = _epochs_of(self.loader.synchronized_generator)

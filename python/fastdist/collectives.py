@@ -9,6 +9,10 @@ gloo's worker thread so that a dead group never holds a thread or blocks exit fo
 
 With ``async_op=True`` a function returns a :class:`Work` handle; its deadline was fixed when
 the op was issued, and it is watched even if nobody waits on it.
+
+Why one file of about 750 lines: one public function per torch collective, each with its own
+signature, docstring and argument checks; what they share (issuing, waiting, the deadline) is
+fastdist.ops's.
 """
 
 from __future__ import annotations

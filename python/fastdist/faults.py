@@ -31,6 +31,10 @@ KINDS = ("hang", "sigstop", "sigkill", "exit", "wrong_collective")
 
 @dataclass(frozen=True)
 class Fault:
+    """A fault for :func:`inject`: ``kind`` (one of :data:`KINDS`) on rank ``rank`` at step
+    ``step``; ``seconds``: how long a ``hang`` lasts (None: forever); ``exit_code``: an ``exit``'s
+    status. A field out of range raises ValueError."""
+
     kind: str
     rank: int
     step: int

@@ -57,6 +57,10 @@ Works with the ``lightning`` package and with ``pytorch_lightning`` (>= 2.4): ``
 built on the one the program imported (``lightning`` when both or neither is imported yet);
 :func:`ddp_strategy_class` builds it on a named one. Importing ``fastdist`` does not import this
 module.
+
+Why one file of about 700 lines: one strategy for both Lightning packages, and the hooks Lightning
+calls on it, each with the check that refuses what cannot be redone; the step's own machinery
+(the retry, what a redone step puts back) is fastdist.steps's.
 """
 
 from __future__ import annotations

@@ -116,6 +116,8 @@ class RpcFuture:
 
     @property
     def deadline(self) -> float:
+        """The call's absolute deadline on :func:`fastdist.current_time`'s clock (``math.inf``:
+        none)."""
         return self._deadline
 
     @property
@@ -124,9 +126,14 @@ class RpcFuture:
         return self._fut
 
     def done(self) -> bool:
+        """True once the call has finished (torch's future is done)."""
         return bool(self._fut.done())
 
     def wait(self, timeout: TimeoutLike = None) -> Any:
+        """The call's result; raises the remote error, or :class:`RpcTimeoutError` at the call's
+        deadline. With ``timeout`` (seconds, a ``timedelta`` or a deadline object), waits at most
+        that long, and raises a plain :class:`TimeoutError` if it ends before the call's deadline
+        (the call goes on)."""
         now = current_time()
         limit = self._deadline if timeout is None else min(self._deadline, effective_deadline(timeout, now))
         finished, _token, _ = wait_until(self._fut, limit)
@@ -193,6 +200,9 @@ class RRef:
         self._to, self._func, self._start, self._deadline = to, func, start, deadline
 
     def to_here(self, timeout: TimeoutLike = None) -> Any:
+        """The remote value, copied here; raises :class:`RpcTimeoutError` at the deadline:
+        ``remote``'s, or with ``timeout`` (seconds, a ``timedelta`` or a deadline object), that long
+        from now."""
         start = current_time()
         deadline = self._deadline if timeout is None else effective_deadline(timeout, start)
         # torch's own timeout is the only one here (to_here blocks in torch); it can fire a little

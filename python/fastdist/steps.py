@@ -36,6 +36,8 @@ T = TypeVar("T")
 
 
 def check_retries(max_retries: object) -> int:
+    """``max_retries``, checked: TypeError unless it is an int (not a bool), ValueError when it is
+    negative."""
     if isinstance(max_retries, bool) or not isinstance(max_retries, int):
         raise TypeError(f"max_retries must be an int, got {type(max_retries).__name__}: {max_retries!r}")
     if max_retries < 0:
@@ -44,6 +46,8 @@ def check_retries(max_retries: object) -> int:
 
 
 def positive_seconds(value: object, name: str) -> float:
+    """``value`` (the argument ``name``: a number of seconds or a ``datetime.timedelta``) in
+    seconds; raises TypeError for None or another type, ValueError unless it is positive."""
     if value is None:
         raise TypeError(f"{name} must be a number of seconds or a datetime.timedelta, got None")
     seconds = validate_seconds(value, name)
@@ -104,6 +108,8 @@ class StepStart:
         self._hooks = []
 
     def restore(self) -> None:
+        """Puts back what the step began with: the gradients kept at the start and the CPU and CUDA
+        RNG states; the count of optimizer updates starts again at 0."""
         for p, grad in self.grads:
             if grad is None:
                 p.grad = None

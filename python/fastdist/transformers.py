@@ -219,6 +219,9 @@ class Trainer(_hf.Trainer):
         )
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trains as ``transformers.Trainer.train`` does; raises ValueError for
+        ``resume_from_checkpoint`` (a replacement of a dead rank is handed the live ranks' state
+        instead), and for DeepSpeed or XLA."""
         if kwargs.get("resume_from_checkpoint") or (args and args[0]):
             raise ValueError(
                 "resume_from_checkpoint is not supported by fastdist.transformers.Trainer: a "

@@ -34,9 +34,11 @@ class Progress:
         self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
+        """The loop's position: ``{"step": N}``."""
         return {"step": self.step}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Moves the loop to the step in ``sd``."""
         self.step = int(sd["step"])
 
 
@@ -53,6 +55,8 @@ class Events:
         self.path, self.rank = path, rank
 
     def __call__(self, event: str, **fields: Any) -> None:
+        """Appends one line for ``event`` and ``fields``, with the rank, the pid and the time
+        (``time.time()``), when a file was given."""
         if self.path:
             with open(self.path, "a") as f:
                 rec = {"event": event, "rank": self.rank, "pid": os.getpid(), "time": time.time(), **fields}
@@ -67,23 +71,29 @@ class Checkpoint:
         self.path, self.model, self.opt, self.progress = path, model, opt, progress
 
     def state_dict(self) -> dict[str, Any]:
+        """The model's and optimizer's state dicts (``get_state_dict`` of
+        torch.distributed.checkpoint) and the step."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(self.model, self.opt)
         return {"model": msd, "optim": osd, "step": self.progress.step}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Loads ``sd`` into the model, the optimizer and the loop's position."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         self.progress.step = sd["step"]
 
     def save(self) -> None:
+        """Saves the state into the directory with torch.distributed.checkpoint, over the previous
+        save."""
         import torch.distributed.checkpoint as dcp
 
         dcp.save({"app": self}, storage_writer=dcp.FileSystemWriter(self.path, overwrite=True))
 
     def load(self) -> bool:
+        """Loads the last save from the directory; returns False when there is none."""
         import torch.distributed.checkpoint as dcp
 
         if not os.path.exists(os.path.join(self.path, ".metadata")):
@@ -109,6 +119,7 @@ def recover(rank: int, state: dict[str, Any], tries: int = 3) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Runs the script with ``argv`` (default: the command line): see the module's docstring."""
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--step-timeout", type=float, default=3.0)

@@ -310,10 +310,13 @@ class GroupState:
         )
 
     def global_rank(self, group_rank: int) -> int:
+        """The global rank of the group's rank ``group_rank`` (the same number when the group's
+        global ranks are unknown: a backend outside any job)."""
         return self.global_ranks[group_rank] if self.global_ranks is not None else group_rank
 
     @property
     def my_global_rank(self) -> int:
+        """This rank's global rank."""
         return self.global_rank(self.rank)
 
     def own_backend(self, args: tuple[Any, ...]) -> Any:
@@ -575,6 +578,8 @@ def set_generation(name: str, generation: int) -> None:
 
 
 def next_generation(name: str) -> int:
+    """Counts one more generation of group ``name`` in this process (a recovery used one up), and
+    returns it: the generation the group's next state starts at."""
     with _lock:
         lineage = _lineages.setdefault(name, Lineage())
         lineage.generation += 1

@@ -58,6 +58,7 @@ def history(group: Any = None) -> list[dict[str, Any]]:
 
 
 def is_watched(pg: Any) -> bool:
+    """Whether ``pg`` has a WatchedBackend: fastdist watches its ops."""
     return backend_of(pg) is not None
 
 

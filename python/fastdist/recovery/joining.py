@@ -84,10 +84,14 @@ def _warm_up() -> None:
 
 
 def is_pending() -> bool:
+    """Whether this process is a joiner between its init_process_group and its sync_state (its
+    groups are made on SoloBackends)."""
     return _pending
 
 
 def set_pending(on: bool) -> None:
+    """Sets whether this process is a pending joiner: while ``on``, torch makes gloo and NCCL groups
+    with stand-ins that build SoloBackends; off, with its own classes again."""
     global _pending
     with _lock:
         _pending = on

@@ -136,6 +136,9 @@ def _group_timeout(inner: Any) -> datetime.timedelta:
 
 
 def rebuild_default(gen: int, rank: int, world_size: int) -> Any:
+    """Replaces the default group with a new one of ``world_size`` ranks, this process as ``rank``,
+    on the job's store under generation ``gen``'s prefix (the backend and timeout the job was
+    started with); returns it."""
     # The dead group is held by fastdist (see _groups.hold), so dropping torch's references to
     # it here does not run its destructor, which could block on an op still in flight.
     dist.destroy_process_group()

@@ -158,6 +158,9 @@ def plan(
 
 
 def warn_diverged(me: int, done: Reconciliation) -> None:
+    """Warns, in a log line of rank ``me``, that the live ranks had not all got as far when the
+    group failed, so that their models may differ now; passing ``state=`` to recover() has every
+    rank load the state of ``done.source``."""
     live = sorted(r for r, c in done.counts.items() if c >= 0)
     logger.warning(
         "rank %d: the live ranks had not all got as far when the group failed (%s): their models "

@@ -455,6 +455,8 @@ class PeerSnapshot:
             return sorted(self._held)
 
     def copy_of(self, step: int, rank: int) -> dict[str, Any]:
+        """The copy of ``rank``'s state dicts this rank holds for ``step`` (KeyError when it holds
+        none)."""
         with self._lock:
             return self._all()[step][rank]
 

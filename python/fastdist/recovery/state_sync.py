@@ -185,6 +185,8 @@ def _now(issue: Callable[[], Any]) -> Any:
 
 
 def device_of(group: Any) -> torch.device:
+    """The device ``group``'s state travels on: this process's current CUDA device on an NCCL group,
+    else the CPU."""
     return (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend(group) == "nccl"
@@ -211,6 +213,8 @@ class Packed:
         self.nbytes = packing.size + sum(t.numel() * t.element_size() for t in packing.direct)
 
     def send(self, dst: int, group: Any) -> None:
+        """Sends every piece to ``dst`` (a global rank) on ``group``, one blocking send each: the
+        header's length, the header, then the chunks."""
         for t in (self.size, self.meta, *self.wire):
             dist.send(t, dst, group=group)
 

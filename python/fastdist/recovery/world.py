@@ -25,10 +25,13 @@ _STALE = "stale"  # what ends the watchers of an epoch that is over
 
 
 def world_key() -> str:
+    """The store key of the world's epoch and size (``world``: "EPOCH:SIZE")."""
     return keys.key("world")
 
 
 def grow_key(epoch: int, what: str) -> str:
+    """The store key ``grow/EPOCH/WHAT`` of the growth in ``epoch`` (``what``: ``target``,
+    ``request``, ...)."""
     return keys.key("grow", epoch, what)
 
 

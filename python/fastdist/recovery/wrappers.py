@@ -25,6 +25,9 @@ _made = itertools.count()
 
 
 def track_ddp() -> None:
+    """Patches DistributedDataParallel, once, so that every DDP module made is recorded here in the
+    order made (for :func:`reset_ddp` and a joiner's layouts), and its logging data on a watched
+    group names the wrapped backend as on that backend itself."""
     from torch.nn.parallel import DistributedDataParallel
 
     if getattr(DistributedDataParallel.__init__, "_fastdist", False):

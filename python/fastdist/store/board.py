@@ -3,7 +3,7 @@
 Nothing here runs on the fast path: a healthy collective never touches the store. When a
 collective times out (or a peer closes the group), each rank that noticed posts one status record
 for the group's current generation (the op and sequence number it is in) to the group's store.
-The first one to post also rings every other live rank of the group (fastdist.diagnostics.listener): each of
+The first one to post also rings every other live rank of the group (fastdist.ops.listener): each of
 them posts where it is (the op it is in, if any, and the Python stack of the thread that issued
 it, or of its main thread) and ends its own op on the group at once. Then each reporting rank
 waits, without polling, until every rank has posted or the window has passed:
@@ -26,7 +26,10 @@ of the group has posted.
 
 The board is a protocol over the store, like the rendezvous beside it: it takes a :class:`Seat`
 (the rank's place in the group, as plain data) and knows nothing of torch's groups. The ranks'
-side of it, what they post and when, is fastdist.ops.fault's and fastdist.diagnostics.listener's.
+side of it, what they post and when, is fastdist.ops.fault's and fastdist.ops.listener's.
+
+Why one file of about 600 lines: the board is one protocol (post, ring, wait, close, summarise)
+whose steps share its records' shapes and keys; split, each part would need the others' insides.
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ WINDOW_FRACTION = 0.1
 
 @dataclass
 class Report:
+    """What a group's report found about a failed op, in global ranks: who never reached it
+    (``missing``), who is in another op (``desynced``), whose own deadline passed (``timed_out``),
+    where those that answered from elsewhere are (``stacks``), and a rank that keeps arriving last
+    (``straggler``)."""
+
     missing: list[int] = field(default_factory=list)  # global ranks that never reached the op
     desynced: dict[int, str] = field(default_factory=dict)  # global rank -> "op #seq"
     timed_out: list[int] = field(default_factory=list)  # global ranks whose own deadline passed
@@ -125,13 +133,17 @@ class Seat:
 
     @property
     def prefix(self) -> str:
+        """The prefix of this group generation's report keys in the store."""
         return keys.board(self.group, self.generation)
 
     def global_rank(self, group_rank: int) -> int:
+        """The global rank of the group's rank ``group_rank`` (the same number when ``global_ranks``
+        is None)."""
         return group_rank if self.global_ranks is None else self.global_ranks[group_rank]
 
     @property
     def my_global_rank(self) -> int:
+        """This rank's global rank."""
         return self.global_rank(self.rank)
 
     def status(self, op: str, seq: int, state: str, **more: Any) -> dict[str, Any]:
@@ -333,7 +345,7 @@ def report(
     group's other ranks if no one has yet, and collects everyone's status for the window after
     now, or after ``until`` (a ``time.monotonic()`` value) when given. ``None`` when the group has
     no store or the store cannot be reached. ``rung``: this rank learnt of the fault from a peer
-    (fastdist.diagnostics.listener) and has posted already; it closes the board only a while after
+    (fastdist.ops.listener) and has posted already; it closes the board only a while after
     its own window ends, in case its ringer died."""
     store = seat.store
     if store is None or seat.size <= 1:

@@ -53,6 +53,7 @@ def call_queued() -> None:
 
 
 def call_done() -> None:
+    """The store work of a :func:`call_queued` has finished: the exit no longer waits for it."""
     global _in_calls
     with _blocked_lock:
         _in_calls -= 1

@@ -20,6 +20,9 @@ Python over ``requests``, maintained, and with no gRPC or protobuf build to clas
   ``torch.distributed.DistNetworkError`` naming each.
 - ``queue_push`` / ``queue_pop`` (fastdist's fault bell) are keys ordered by creation revision;
   a pop deletes the oldest one in a transaction, so each item goes to exactly one popper.
+
+Why one file of about 850 lines: one ``torch.distributed.Store`` (its twenty methods) and the lease,
+watch, endpoint and TLS handling they share through one client and its connection state.
 """
 
 from __future__ import annotations
@@ -169,6 +172,7 @@ class EtcdSecurity:
 
     @property
     def scheme(self) -> str:
+        """``"https"`` when ``tls`` is on, else ``"http"``."""
         return "https" if self.tls else "http"
 
 
@@ -457,9 +461,12 @@ class EtcdStore(dist.Store):
     # -- torch's Store ------------------------------------------------------------------------
 
     def set(self, key: str, value: Any) -> None:
+        """Sets ``key`` to ``value`` (bytes or str); the key lives as long as the job's lease."""
         self._txn([], [self._put(self._key(key), _encode_value(value))])
 
     def get(self, key: str) -> bytes:
+        """The value of ``key``; when it is unset, waits for it as :meth:`wait` does (up to the
+        store's timeout)."""
         full = self._key(key)
         _, found = self._read([full])
         if full not in found:
@@ -468,11 +475,14 @@ class EtcdStore(dist.Store):
         return found[full][0]
 
     def check(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` is set (one consistent read)."""
         full = [self._key(k) for k in keys]
         _, found = self._read(full)
         return all(k in found for k in full)
 
     def wait(self, keys: list[str], timeout: Any = None) -> None:
+        """Blocks until every one of ``keys`` is set, watching etcd rather than polling; raises
+        ``DistStoreError`` after ``timeout`` (seconds or a ``timedelta``; default: the store's)."""
         seconds = self._timeout if timeout is None else _seconds(timeout)
         deadline = time.monotonic() + seconds
         full = [self._key(k) for k in keys]
@@ -509,9 +519,12 @@ class EtcdStore(dist.Store):
                 return new
 
     def add(self, key: str, amount: int) -> int:
+        """Adds ``amount`` to the integer in ``key`` (0 when unset), atomically; returns the new
+        value."""
         return int(self._update(key, lambda old: str(int(old or b"0") + int(amount)).encode()))
 
     def append(self, key: str, value: Any) -> None:
+        """Appends ``value`` (bytes or str) to the value of ``key`` (unset: empty), atomically."""
         tail = _encode_value(value)
         self._update(key, lambda old: (old or b"") + tail)
 
@@ -527,6 +540,7 @@ class EtcdStore(dist.Store):
         return got if got or self.check([key]) else want
 
     def delete_key(self, key: str) -> bool:
+        """Deletes ``key``; True when it was set."""
         full = self._key(key)
         resp = self._txn([], [{"request_delete_range": {"key": _b64(full)}}])
         return bool(int(resp["responses"][0]["response_delete_range"].get("deleted", 0)))
@@ -539,12 +553,16 @@ class EtcdStore(dist.Store):
         return int(resp["responses"][0]["response_range"].get("count", 0))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``, in order, each read as :meth:`get` reads it."""
         return [self.get(k) for k in keys]
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        """Sets each of ``keys`` to the value in ``values`` at its place, in one transaction."""
         self._txn([], [self._put(self._key(k), _encode_value(v)) for k, v in zip(keys, values)])
 
     def set_timeout(self, timeout: Any) -> None:
+        """Sets how long :meth:`get`, :meth:`wait` and :meth:`queue_pop` wait by default
+        (``timeout``: seconds or a ``timedelta``)."""
         self._timeout = _seconds(timeout)
         super().set_timeout(datetime.timedelta(seconds=min(self._timeout, _FOREVER)))
 
@@ -567,9 +585,11 @@ class EtcdStore(dist.Store):
         return self._root + "__queue__/" + key + "/"
 
     def queue_push(self, key: str, value: Any) -> None:
+        """Adds ``value`` (bytes or str) to queue ``key`` (popped oldest first)."""
         self._txn([], [self._put(self._queue(key) + uuid.uuid4().hex, _encode_value(value))])
 
     def queue_len(self, key: str) -> int:
+        """How many items queue ``key`` holds."""
         q = self._queue(key)
         resp = self._txn([], [self._range(q, range_end=_b64(_range_end(q)), count_only=True)])
         return int(resp["responses"][0]["response_range"].get("count", 0))
@@ -628,10 +648,12 @@ class EtcdStore(dist.Store):
 
     @property
     def endpoints(self) -> list[tuple[str, int]]:
+        """The cluster's endpoints, as (host, port)."""
         return list(self._endpoints)
 
     @property
     def job(self) -> str:
+        """The job's id (``prefix`` without its slashes): its keys live under ``/fastdist/JOB/``."""
         return self._job
 
     def __repr__(self) -> str:

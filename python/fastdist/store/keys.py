@@ -54,6 +54,8 @@ def agent_hosts_store() -> bool:
 
 
 def under_torchrun() -> bool:
+    """Whether this process runs under a torchrun agent (``fastdist run`` included):
+    TORCHELASTIC_RUN_ID or TORCHELASTIC_RESTART_COUNT is set."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "TORCHELASTIC_RESTART_COUNT" in os.environ
 
 

@@ -46,6 +46,8 @@ VERSION_KEY = keys.key("rdzv", "version")
 
 
 def versions() -> dict[str, Any]:
+    """This process's torch, fastdist and Python versions (every rank checks its own against rank
+    0's record)."""
     return {"torch": torch.__version__, "fastdist": __version__, "python": sys.version.split()[0]}
 
 
@@ -103,6 +105,8 @@ def port_holder(port: int) -> str | None:
 
 
 def port_in_use(addr: str, port: int) -> bool:
+    """Whether ``port`` on ``addr`` is taken (binding it fails with EADDRINUSE); any other error of
+    the bind is raised."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((addr, port))
