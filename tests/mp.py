@@ -142,6 +142,100 @@ def kill_sessions(procs: list[subprocess.Popen[bytes]]) -> None:
         p.wait()
 
 
+class _Zygote:
+    """This pytest worker's tests/zygote.py: forks ranks from an interpreter that has imported
+    torch. Started on first use; ends with this process (its socket closes)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", str(HERE / "zygote.py"), str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            cwd=str(HERE.parent),
+        )
+        theirs.close()
+        self.sock = ours
+        self.buf = b""
+        self.codes: dict[int, int] = {}
+        self.sock.settimeout(60)
+        if "ready" not in self._read():
+            raise RuntimeError("tests/zygote.py did not start")
+
+    def _read(self) -> dict[str, Any]:
+        while b"\n" not in self.buf:
+            data = self.sock.recv(65536)
+            if not data:
+                raise RuntimeError("tests/zygote.py ended")
+            self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        msg: dict[str, Any] = json.loads(line)
+        if "exit" in msg:
+            self.codes[msg["exit"]] = msg["code"]
+        return msg
+
+    def pump(self) -> None:
+        """Reads every exit the zygote has said so far, without waiting."""
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    data = self.sock.recv(65536)
+                except BlockingIOError:
+                    break
+                if not data:
+                    break
+                self.buf += data
+        finally:
+            self.sock.settimeout(60)
+        while b"\n" in self.buf:
+            self._read()
+
+    def spawn(self, cmd: list[str], out: Any, err: Any, env: dict[str, str], cwd: str) -> _Forked:
+        body = json.dumps({"argv": cmd, "env": env, "cwd": cwd}).encode()
+        socket.send_fds(self.sock, [body], [out.fileno(), err.fileno()])
+        while True:
+            msg = self._read()
+            if "pid" in msg:
+                return _Forked(self, msg["pid"])
+
+
+class _Forked:
+    """A rank forked by the zygote, as much of ``subprocess.Popen`` as run_ranks uses."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.zygote.pump()
+            self.returncode = self.zygote.codes.pop(self.pid, None)
+        return self.returncode
+
+    def wait(self, timeout: float = 60.0) -> int:
+        end = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+
+_zygote: list[_Zygote] = []
+
+
+def _spawn_rank(cmd: list[str], out: Any, err: Any, env: dict[str, str]) -> Any:
+    """A rank's process: forked from this worker's zygote (torch imported once), or its own
+    interpreter with ``FASTDIST_TEST_SPAWN=exec``."""
+    if os.environ.get("FASTDIST_TEST_SPAWN") == "exec":
+        return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=str(HERE.parent))
+    if not _zygote or _zygote[0].proc.poll() is not None:
+        _zygote[:] = [_Zygote()]
+    return _zygote[0].spawn(cmd, out, err, dict(env), str(HERE.parent))
+
+
 @dataclass
 class RankResult:
     rank: int
@@ -180,7 +274,7 @@ def run_ranks(
     child_env = dict(os.environ)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     child_env.update(env or {})
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []  # subprocess.Popen or _Forked
     outs: list[tuple[Any, Any]] = []
     exited_at: dict[int, float] = {}
     released = False
@@ -199,7 +293,7 @@ def run_ranks(
                 str(store.port),
             ]
             child_env["FASTDIST_SPAWNED_AT"] = repr(time.time())
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=child_env, cwd=str(HERE.parent)))
+            procs.append(_spawn_rank(cmd, out, err, child_env))
         hard_deadline = time.monotonic() + timeout
         while len(exited_at) < world_size:
             for rank, p in enumerate(procs):
