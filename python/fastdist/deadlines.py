@@ -27,6 +27,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from ._native import _core, _watched, watched_backends
 from .errors import typed_error_for
+from .settings import SETTINGS
 
 __all__ = [
     "DeadlineScope",
@@ -117,20 +118,17 @@ def validate_seconds(value: object, name: str = "timeout", *, deadline_objects: 
 # ---------------------------------------------------------------------------------------------
 # Default timeout
 
-_default_timeout: float | None = None
-
 
 def set_default_timeout(timeout: float | datetime.timedelta | None) -> None:
     """Sets the timeout used when a call gets ``timeout=None``. ``None`` restores the default:
     ``FASTDIST_TIMEOUT`` (seconds) from the environment, else 600 s."""
-    global _default_timeout
-    _default_timeout = None if timeout is None else validate_seconds(timeout, "timeout")
+    SETTINGS.default_timeout = None if timeout is None else validate_seconds(timeout, "timeout")
 
 
 def get_default_timeout() -> float:
     """The timeout in seconds that ``timeout=None`` stands for."""
-    if _default_timeout is not None:
-        return _default_timeout
+    if SETTINGS.default_timeout is not None:
+        return SETTINGS.default_timeout
     env = os.environ.get("FASTDIST_TIMEOUT")
     if env is None or env.strip() == "":
         return _DEFAULT_TIMEOUT_FALLBACK
@@ -446,23 +444,20 @@ def effective_deadline(timeout: object, now: float) -> float:
 
 TimeoutHandler = Callable[[BaseException], Any]
 
-_handler: TimeoutHandler | None = None
-
 
 def set_timeout_handler(handler: TimeoutHandler | None) -> None:
     """Sets ``handler(error)``, run in the thread that observed a timeout before the error is
     raised (or before ``False`` is returned with ``raise_on_timeout=False``). If it raises,
     including ``sys.exit()``, that propagates instead; if it returns, the default behaviour
     follows. ``None`` restores the default (no handler)."""
-    global _handler
     if handler is not None and not callable(handler):
         raise TypeError(f"handler must be callable or None, got {type(handler).__name__}: {handler!r}")
-    _handler = handler
+    SETTINGS.timeout_handler = handler
 
 
 def get_timeout_handler() -> TimeoutHandler | None:
     """The handler set by :func:`set_timeout_handler`, or ``None``."""
-    return _handler
+    return SETTINGS.timeout_handler
 
 
 def exit_process(code: object) -> None:
@@ -483,6 +478,6 @@ def exit_process(code: object) -> None:
 
 
 def run_timeout_handler(error: BaseException) -> None:
-    handler = _handler
+    handler = SETTINGS.timeout_handler
     if handler is not None:
         handler(error)

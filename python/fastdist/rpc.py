@@ -29,6 +29,7 @@ import torch.distributed.rpc as _rpc
 from .deadlines import TimeoutLike, current_time, effective_deadline, run_timeout_handler, validate_seconds
 from .errors import RpcTimeoutError
 from .ops.work import wait_until
+from .settings import SETTINGS
 
 __all__ = ["RRef", "RpcFuture", "init_rpc", "remote", "rpc_async", "rpc_sync", "shutdown"]
 
@@ -39,14 +40,11 @@ logger = logging.getLogger(__name__)
 _TORCH_GRACE = 0.05
 _TORCH_TIMEOUT_MARKER = "ran for more than set timeout"
 
-_default_timeout: float | None = None
-
 
 def init_rpc(name: str, *, rank: int, world_size: int, rpc_timeout: float = 60.0, **options: Any) -> None:
     """Starts torch's TensorPipe RPC agent with ``rpc_timeout`` (seconds, or a ``timedelta``)
     as the default per-call timeout. ``options`` go to ``TensorPipeRpcBackendOptions``
     (``init_method``, ``num_worker_threads``, ``device_maps``, ...)."""
-    global _default_timeout
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {type(name).__name__}: {name!r}")
     for arg, value in (("rank", rank), ("world_size", world_size)):
@@ -65,14 +63,14 @@ def init_rpc(name: str, *, rank: int, world_size: int, rpc_timeout: float = 60.0
         world_size=world_size,
         rpc_backend_options=backend_options,
     )
-    _default_timeout = seconds
+    SETTINGS.rpc_timeout = seconds
 
 
 def _deadline(timeout: TimeoutLike, now: float) -> float:
     if timeout is None:
-        if _default_timeout is None:
+        if SETTINGS.rpc_timeout is None:
             raise RuntimeError("RPC is not initialized: call fastdist.rpc.init_rpc() first")
-        timeout = _default_timeout
+        timeout = SETTINGS.rpc_timeout
     return effective_deadline(timeout, now)
 
 
@@ -254,7 +252,6 @@ def shutdown(graceful: bool = True, *, timeout: float = 10.0) -> bool:
     interpreter exit then waits up to ``timeout`` once more for them (a call still running when
     the interpreter finalizes can make torch abort the process). Returns True once the agent
     stopped."""
-    global _default_timeout
     if not isinstance(graceful, bool):
         raise TypeError(f"graceful must be a bool, got {type(graceful).__name__}: {graceful!r}")
     seconds = validate_seconds(timeout, "timeout")
@@ -263,7 +260,7 @@ def shutdown(graceful: bool = True, *, timeout: float = 10.0) -> bool:
     )
     worker.start()
     worker.join(None if math.isinf(seconds) else seconds)
-    _default_timeout = None
+    SETTINGS.rpc_timeout = None
     if worker.is_alive():
         logger.warning(
             "RPC shutdown did not finish within %.3g s: a call is still running here (its caller may have "

@@ -11,8 +11,6 @@ ends the process (see :func:`abort_group`).
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 from typing import Any
@@ -21,24 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..deadlines import engine, exit_process, run_timeout_handler
+from ..settings import SETTINGS
 
 logger = logging.getLogger(__name__)
-
-
-def _abort_timeout() -> float:
-    """FASTDIST_ABORT_TIMEOUT (seconds, > 0; default 10), refused with its name when it is not."""
-    text = os.environ.get("FASTDIST_ABORT_TIMEOUT", "10")
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:  # (NaN too)
-        raise ValueError(f"FASTDIST_ABORT_TIMEOUT must be a number of seconds > 0 (inf: never), got {text!r}")
-    return value
-
-
-# How long torch's abort may take before fastdist gives up on it and ends the process.
-ABORT_TIMEOUT_SECONDS = _abort_timeout()
 
 
 def abort_group(pg: Any, is_default: bool, error: BaseException) -> None:
@@ -61,7 +44,7 @@ def abort_group(pg: Any, is_default: bool, error: BaseException) -> None:
         logger.critical(
             "fastdist: aborting the communicators of a timed-out group did not return within %.3g s; "
             "ending the process (set a timeout handler that raises to decide otherwise)",
-            ABORT_TIMEOUT_SECONDS,
+            SETTINGS.abort_timeout,
         )
         try:
             run_timeout_handler(error)
@@ -72,7 +55,7 @@ def abort_group(pg: Any, is_default: bool, error: BaseException) -> None:
             return
         exit_process(1)
 
-    guard = eng.add(eng.now() + ABORT_TIMEOUT_SECONDS, on_hang)
+    guard = eng.add(eng.now() + SETTINGS.abort_timeout, on_hang)
 
     def run() -> None:
         try:
@@ -119,7 +102,7 @@ def wait_aborts() -> bool:
     """Waits until every abort started so far returned (True), or passed its own deadline
     without ending the process because the timeout handler chose to go on (False). A group must
     not be rebuilt, nor the process finalized, while torch is still aborting communicators."""
-    end = time.monotonic() + ABORT_TIMEOUT_SECONDS + _GUARD_GRACE_SECONDS
+    end = time.monotonic() + SETTINGS.abort_timeout + _GUARD_GRACE_SECONDS
     with _aborts_lock:
         pending = list(_aborts)
     for p in pending:

@@ -12,7 +12,6 @@ few store round trips per collective (see bench/), so it is off by default.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -20,30 +19,28 @@ from typing import TYPE_CHECKING
 from .._native import _watched
 from ..deadlines import current_time
 from ..errors import CollectiveMismatchError
+from ..settings import SETTINGS
 from ..store import keys
 
 if TYPE_CHECKING:
     from .pgstate import GroupState
 
-# Read on every op (the hot path reads the attribute, not checks_enabled()).
-active = os.environ.get("FASTDIST_CHECK", "") not in ("", "0")
 _POLL_SECONDS = 0.0005
-_watched.set_checks_enabled(active)
+_watched.set_checks_enabled(SETTINGS.checks)  # (FASTDIST_CHECK, read in fastdist.settings)
 
 
 def set_checks(enabled: bool) -> None:
     """Turns the cross-rank collective checks on or off for this process. Every rank of a group
     must use the same setting."""
-    global active
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}: {enabled!r}")
-    active = enabled
+    SETTINGS.checks = enabled
     _watched.set_checks_enabled(enabled)
 
 
 def checks_enabled() -> bool:
     """Whether cross-rank collective checks are on."""
-    return active
+    return SETTINGS.checks
 
 
 def verify(st: GroupState, op: str, seq: int, signature: str, deadline: float) -> bool:

@@ -23,6 +23,7 @@ from .._native import _core, _watched
 from ..deadlines import TimeoutLike, current_time, effective_deadline
 from ..errors import FastdistError
 from ..groups import checks, pgstate
+from ..settings import SETTINGS
 from . import watching
 from .work import NO_TIMEOUT, Work, backend_options, options_cache
 
@@ -77,7 +78,7 @@ def run(
         watching.install()
     else:
         target = pg
-    if checks.active:
+    if SETTINGS.checks:
         # Checked calls are numbered apart from the backend's ops: a call refused for a mismatch
         # issues no op, on every rank.
         st.checks_seq += 1

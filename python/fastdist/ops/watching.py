@@ -27,6 +27,7 @@ from torch._C._distributed_c10d import ProcessGroup
 from .._native import _watched, hand_engine_over
 from ..deadlines import get_default_timeout
 from ..groups import checks, pgstate, registry
+from ..settings import SETTINGS
 from . import fault
 
 logger = logging.getLogger(__name__)
@@ -36,15 +37,12 @@ WatchedBackend = _watched.WatchedBackend
 Kind = _watched.FaultKind
 
 _lock = threading.Lock()
-_active = False
-# The group timeout the user gave fastdist.init_process_group (seconds), or None.
-_user_timeout: float | None = None
 
 _orig_register_backend = ProcessGroup._register_backend
 
 
 def _register_backend(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
-    if _active and not isinstance(backend, WatchedBackend) and _watches(backend_type, backend):
+    if SETTINGS.watching and not isinstance(backend, WatchedBackend) and _watches(backend_type, backend):
         backend = _wrap(pg, device, backend_type, backend)
         if backend_type == ProcessGroup.BackendType.GLOO:
             # torch's C++ casts the backend registered as GLOO to ProcessGroupGloo (DDP's logger
@@ -77,10 +75,10 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
     if existing is not None:
         return existing
     timeout = get_default_timeout()
-    if _user_timeout is not None:
+    if SETTINGS.group_timeout is not None:
         options = pgstate.backend_options(backend)
         group_timeout = getattr(options, "timeout", None) or getattr(options, "_timeout", None)
-        timeout = group_timeout.total_seconds() if group_timeout is not None else _user_timeout
+        timeout = group_timeout.total_seconds() if group_timeout is not None else SETTINGS.group_timeout
     # NCCL completes a work's future at enqueue: its works are polled (work.is_completed(), the
     # end event's query), and so are those of a backend that says it is NCCL-like (its stream
     # marker: the tests' CPU double of NCCL, tests/fake_nccl.py).
@@ -139,14 +137,13 @@ def _arm_pending() -> None:
 
 def activate(user_timeout: float | None) -> None:
     """Watches every group made from now on (called by fastdist.init_process_group)."""
-    global _active, _user_timeout
     with _lock:
-        _user_timeout = user_timeout
-        if _active:
+        SETTINGS.group_timeout = user_timeout
+        if SETTINGS.watching:
             return
         _install()
         ProcessGroup._register_backend = _register_backend  # type: ignore[method-assign,assignment]
-        _active = True
+        SETTINGS.watching = True
 
 
 _installed = False
@@ -186,7 +183,7 @@ def _check(ctl_id: int, op: str, signature: str, deadline: float) -> bool:
 
 def active() -> bool:
     """Whether groups are watched (fastdist.init_process_group ran)."""
-    return _active
+    return SETTINGS.watching
 
 
 def drain_inflight(end: float) -> None:
