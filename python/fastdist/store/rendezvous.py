@@ -274,38 +274,25 @@ def check_versions(store: Any, rank: int, world_size: int, host: str, port: int,
         store.set(VERSION_KEY, seal.seal_json(mine))
         return
     t0 = time.monotonic()
+
+    def refuse(cause: str, detail: str) -> RendezvousConnectionError:
+        return RendezvousConnectionError(
+            cause=cause, address=host, port=port, attempts=1, elapsed=time.monotonic() - t0, detail=detail
+        )
+
     store.wait([VERSION_KEY], datetime.timedelta(seconds=timeout))
     theirs = keys.parse_record(store.get(VERSION_KEY), VERSION_FIELDS, "version record")
     if theirs is None:
-        raise RendezvousConnectionError(
-            cause="invalid_record",
-            address=host,
-            port=port,
-            attempts=1,
-            elapsed=time.monotonic() - t0,
-            detail=f"the version record at {VERSION_KEY!r} is not fastdist's",
-        )
+        raise refuse("invalid_record", f"the version record at {VERSION_KEY!r} is not fastdist's")
     for key in ("torch", "fastdist"):
         if theirs.get(key) != mine[key]:
-            raise RendezvousConnectionError(
-                cause="version_mismatch",
-                address=host,
-                port=port,
-                attempts=1,
-                elapsed=time.monotonic() - t0,
-                detail=f"rank 0 runs {key} {theirs.get(key)}, rank {rank} runs {mine[key]}",
+            raise refuse(
+                "version_mismatch", f"rank 0 runs {key} {theirs.get(key)}, rank {rank} runs {mine[key]}"
             )
     if theirs.get("world_size") != world_size:
-        raise RendezvousConnectionError(
-            cause="world_size_mismatch",
-            address=host,
-            port=port,
-            attempts=1,
-            elapsed=time.monotonic() - t0,
-            detail=(
-                f"rank 0 was started with world size {theirs.get('world_size')}, rank {rank} with "
-                f"{world_size}"
-            ),
+        raise refuse(
+            "world_size_mismatch",
+            f"rank 0 was started with world size {theirs.get('world_size')}, rank {rank} with {world_size}",
         )
 
 
