@@ -80,9 +80,11 @@ def main() -> None:
     ranks = []
     for i, r in enumerate(range(first, first + count)):
         counter = [0]
-        # No torch group behind it: no history (the waits are made up below).
-        st = pgstate.GroupState.without_group(Counting(conns[2 * i], counter), r, world, "sim")
+        # No torch group behind it: plain data, the agreement's and the board's (no history: the
+        # waits are made up below).
+        st = recovery.Party(Counting(conns[2 * i], counter), "sim", r, world)
         ranks.append((r, st, counter, conns[2 * i + 1]))
+    posted = {r: board.Posts() for r, *_ in ranks}  # each simulated rank's, as its lineage keeps it
     keywait.waiter = _own_waiter  # type: ignore[assignment]
     # The store work runs in the simulated rank's own thread (in a job it runs in a bounded
     # helper thread: the same store operations, but the per-thread waiters above would not
@@ -106,7 +108,7 @@ def main() -> None:
         counter[0] += 1  # the listener's pop
         phases["report"]["rung"][r] = time.time()
         fault = json.loads(raw)
-        for child in st.ring_children(fault["root"]):
+        for child in ring.children(r, fault["root"], world, None, frozenset()):
             ring.deliver(st.store, child, raw.decode())
         # A seat of its own, as GroupState.seat makes one, less what a simulated rank has not: op
         # history (its waits are made up), backends, ring children (rung, it rings nobody). With
@@ -114,7 +116,7 @@ def main() -> None:
         # and some ranks posted after the window, though st.seat() took 6 us (median) a call:
         # 256 ranks share a GIL here, and what costs that is not understood.
         waits = [[s, 900 + (r * 7 + s * 13) % 200] for s in range(1, pgstate.WAITS_KEPT + 1)]
-        seat = board.Seat(st.store, "sim", 0, r, world, posted=st.lineage.posted, waits=waits)
+        seat = board.Seat(st.store, "sim", 0, r, world, posted=posted[r], waits=waits)
         status = seat.status("barrier", 1, "in_op", stack=["train.py:88 in main", "train.py:57 in step"])
         if board.post_status(seat, status):
             board.publish(seat)
@@ -128,7 +130,24 @@ def main() -> None:
         if r == 0:
             blocking.wait(["fire"])
             rep = timed(
-                "report", r, counter, lambda: board.report(st.seat(), "barrier", 1, "timed_out", BUDGET)
+                "report",
+                r,
+                counter,
+                lambda: board.report(
+                    board.Seat(
+                        st.store,
+                        "sim",
+                        0,
+                        0,
+                        world,
+                        posted=posted[0],
+                        children=ring.children(0, 0, world, None),
+                    ),
+                    "barrier",
+                    1,
+                    "timed_out",
+                    BUDGET,
+                ),
             )
             assert rep is not None and world - 1 in rep.missing, rep
             answered[0] = world - len(rep.missing)  # the dead rank never answers

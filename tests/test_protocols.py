@@ -22,9 +22,24 @@ from fastdist.store import board, keys, ring
 pytestmark = pytest.mark.timeout(60)
 
 
-def _rank(store: Any, rank: int, size: int, name: str = "g") -> Any:
-    """The state of rank ``rank`` of a simulated group, with no torch group behind it."""
-    return pgstate.GroupState.without_group(store, rank, size, name)
+def _party(store: Any, rank: int, size: int, name: str = "g") -> agreement.Party:
+    """Rank ``rank``'s place in a simulated group's recovery agreement: plain data, no torch group."""
+    return agreement.Party(store, name, rank, size)
+
+
+def _state(store: Any, rank: int, size: int, name: str) -> pgstate.GroupState:
+    """The state of rank ``rank`` of a simulated group with no torch group behind it (no ops, so
+    no history): for the listener, which applies a fault to a group's state."""
+    from fastdist._native import _watched, hand_engine_over
+
+    st = pgstate.GroupState.__new__(pgstate.GroupState)
+    st.ref = lambda: None
+    st.name, st.rank, st.size, st.global_ranks, st.store = name, rank, size, None, store
+    st.backend, st.polled, st.is_default, st.watched, st.own = "", False, False, None, {}
+    hand_engine_over()
+    st.ctl = _watched.GroupCtl(name, rank, size, False)
+    st._begin(pgstate.Lineage())
+    return st
 
 
 def _seat(store: Any, rank: int, size: int, name: str = "g") -> board.Seat:
@@ -193,7 +208,7 @@ def _agree_all(
     def run(r: int) -> None:
         counting = Counting(store)
         try:
-            members = agreement._agree(counting, _rank(store, r, size, name), gen, deadline, shrink)
+            members = agreement._agree(counting, _party(store, r, size, name), gen, deadline, shrink)
             out[r] = (members, counting)
         except RecoveryError as exc:
             out[r] = (exc, counting)
@@ -237,7 +252,7 @@ def test_a_rank_arriving_after_the_deadline_decided_is_left_out() -> None:
 
     def run(r: int, seconds: float) -> None:
         try:
-            out[r] = agreement._agree(store, _rank(store, r, 3, "late"), 1, current_time() + seconds, True)
+            out[r] = agreement._agree(store, _party(store, r, 3, "late"), 1, current_time() + seconds, True)
         except RecoveryError as exc:
             out[r] = exc
 
@@ -262,7 +277,7 @@ def test_a_replacement_of_a_rank_that_died_inside_the_agreement_moves_on_to_the_
     def run(r: int, gen: int, joiner: bool = False) -> None:
         try:
             out[r] = agreement._agree(
-                store, _rank(store, r, 3, "d"), gen, current_time() + 5.0, False, None, joiner
+                store, _party(store, r, 3, "d"), gen, current_time() + 5.0, False, None, joiner
             )
         except RecoveryError as exc:
             out[r] = exc
@@ -293,7 +308,7 @@ def test_a_failed_round_agrees_nothing_and_the_next_round_waits_for_everyone() -
 
     def run(r: int, seconds: float) -> None:
         try:
-            out[r] = agreement._agree(store, _rank(store, r, 3, "f"), 1, current_time() + seconds, False)
+            out[r] = agreement._agree(store, _party(store, r, 3, "f"), 1, current_time() + seconds, False)
         except RecoveryError as exc:
             out[r] = exc
 
@@ -446,14 +461,13 @@ def test_forged_joiners_and_ddp_layouts_do_not_shape_a_recovery(monkeypatch: pyt
 
     monkeypatch.setenv(seal.SECRET_ENV, "job-secret")
     store = dist.HashStore()
-    st = _rank(store, 0, 3)
-    key1, key2 = agreement._joiners_key(st, 1), agreement._joiners_key(st, 2)
+    key1, key2 = agreement._joiners_key("g", 1), agreement._joiners_key("g", 2)
     store.append(key1, "0\n1\n")  # forged: no tag
     store.append(key1, f"{key1} 1\n")  # forged: the new form, no tag
     store.append(key1, seal.seal(f"{key2} 0") + "\n")  # signed, but another generation's
-    assert rec._joiners(store, st, 1) == []
+    assert agreement._joiners(store, "g", 1) == []
     store.append(key1, seal.seal(f"{key1} 2") + "\n")  # a joiner's own
-    assert rec._joiners(store, st, 1) == [2]
+    assert agreement._joiners(store, "g", 1) == [2]
     forged = json.dumps({"key": "x", "layouts": [{"params": [], "buckets": [[1], [0]]}]})
     assert keys.parse_record(forged, rec._LAYOUT_FIELDS) is None
     assert keys.parse_record(seal.seal(forged), rec._LAYOUT_FIELDS) is not None
@@ -472,7 +486,7 @@ def test_a_peers_fault_read_just_before_a_recovery_does_not_end_the_rebuilt_grou
     from fastdist.ops import listener
 
     store = dist.HashStore()
-    st = _rank(store, 1, 2, name="g-race")
+    st = _state(store, 1, 2, name="g-race")
     st.generation = 9
     events: list[str] = []
 
@@ -525,7 +539,7 @@ def test_a_forged_latest_generation_does_not_fail_every_later_recovery(
 
     def run(r: int) -> None:
         try:
-            out[r] = agreement._agree(store, _rank(store, r, 3, "g"), 1, deadline, False)
+            out[r] = agreement._agree(store, _party(store, r, 3, "g"), 1, deadline, False)
         except RecoveryError as exc:
             out[r] = exc
 

@@ -175,23 +175,10 @@ class GroupState:
             hand_engine_over()
             self.ctl: Any = _watched.GroupCtl(self.name, self.rank, self.size, self.polled)
             self.own = _own_backends(pg, self.ctl)
+            _owners[self.ctl.id] = self.ref  # (state_of holds _lock)
         else:
             self.ctl = watched.ctl
         self._begin(_lineages.setdefault(self.name, Lineage()))  # (state_of holds _lock)
-
-    @classmethod
-    def without_group(cls, store: Any, rank: int, size: int, name: str) -> GroupState:
-        """The state of a group with no torch group behind it (no ops, so no history), for a
-        simulation of the recovery agreement at scale (bench/sim_report.py) and its tests
-        (tests/test_protocols.py). (The board needs less: a :class:`fastdist.store.board.Seat`.)"""
-        st = cls.__new__(cls)
-        st.ref = lambda: None
-        st.name, st.rank, st.size, st.global_ranks, st.store = name, rank, size, None, store
-        st.backend, st.polled, st.is_default, st.watched, st.own = "", False, False, None, {}
-        hand_engine_over()
-        st.ctl = _watched.GroupCtl(name, rank, size, False)
-        st._begin(Lineage())
-        return st
 
     def _begin(self, lineage: Lineage) -> None:
         """The part of the record that fastdist keeps, not torch's group."""
@@ -384,15 +371,19 @@ class GroupState:
 WAITS_KEPT = 16
 
 
-def own_group_of(ctl_id: int) -> Any | None:
-    """The live group torch made whose own GroupCtl is ``ctl_id``, or None (for the fault
-    builder, once per fault: fastdist.groups.registry has watched backends' groups)."""
-    with _lock:
-        states = list(_states.values())
-    for st in states:
-        if st.watched is None and st.ctl.id == ctl_id:
-            return st.ref()
-    return None
+def set_owner(ctl_id: int, pg: Any) -> None:
+    """``pg``'s backends share the GroupCtl ``ctl_id`` (a watched backend's:
+    fastdist.groups.registry.enroll). (One dict store: no lock, so that no lock order binds the
+    registry's lock to this module's.)"""
+    _owners[ctl_id] = weakref.ref(pg)
+
+
+def owner_of(ctl_id: int) -> Any | None:
+    """The live group whose backends share the GroupCtl ``ctl_id``, or None: the one answer to
+    "which group owns this ctl" (a watched group's, or a group torch made, whose own ctl the
+    private backends of fastdist's own ops on it share)."""
+    ref = _owners.get(ctl_id)
+    return None if ref is None else ref()
 
 
 def _own_backends(pg: Any, ctl: Any) -> dict[str, Any]:
@@ -435,6 +426,9 @@ _lock = threading.Lock()
 _states: dict[int, GroupState] = {}
 # Each group name's lineage (see Lineage).
 _lineages: dict[str, Lineage] = {}
+# GroupCtl id -> the group (weakly) whose backends share it (owner_of). A ctl id is the C++
+# object's address: a freed one's address again replaces its entry.
+_owners: dict[int, Any] = {}
 # Dead groups held until their in-flight op ends: id -> (group, tokens of abandoned work).
 _held: dict[int, tuple[Any, list[Any]]] = {}
 

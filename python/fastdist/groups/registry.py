@@ -25,6 +25,7 @@ def enroll(ctl_id: int, pg: Any, device: Any) -> None:
         # Insertion order is creation order (watched_groups relies on it): a ctl id that is a
         # freed one's address again goes to the end, not to the old one's place.
         _registry.pop(ctl_id, None)
+        pgstate.set_owner(ctl_id, pg)
         _registry[ctl_id] = (
             weakref.ref(pg),
             torch.device(device) if not isinstance(device, torch.device) else device,
@@ -34,10 +35,7 @@ def enroll(ctl_id: int, pg: Any, device: Any) -> None:
 def group_of(ctl_id: int) -> Any | None:
     """The live ProcessGroup of the watched backend ``ctl_id`` (or of the private backends a group
     torch made has for fastdist's own ops), or None."""
-    entry = _registry.get(ctl_id)
-    if entry is None:
-        return pgstate.own_group_of(ctl_id)  # a group torch made: fastdist's own ops' backends
-    return entry[0]()
+    return pgstate.owner_of(ctl_id)
 
 
 backend_of = pgstate.watched_backend

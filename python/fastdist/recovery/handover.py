@@ -19,25 +19,9 @@ from ..errors import FastdistError, RecoveryError
 from ..groups import pgstate
 from ..store import keys, keywait, seal
 from . import joining, reconcile, state_sync, wrappers
-from .agreement import _joiners_key
 from .snapshot import PeerSnapshot, load_into, newest_covering, own_copy, replicas
 
 logger = logging.getLogger(__name__)
-
-
-def _joiners(store: Any, st: pgstate.GroupState, gen: int) -> list[int]:
-    """The global ranks that joined the job in generation ``gen`` (replacements, spares)."""
-    key = _joiners_key(st, gen)
-    if not store.check([key]):
-        return []
-    # Each line is a joiner's own, signed with the key it was written to (fastdist.store.seal): a
-    # line written by anything else, or copied from another generation's key, is ignored.
-    out = set()
-    for body in seal.opened_lines(bytes(store.get(key)), "joiner record"):
-        where, _, rank = body.rpartition(" ")
-        if where == key and rank.isdigit():
-            out.add(int(rank))
-    return sorted(out)
 
 
 _LAYOUT_FIELDS: dict[str, type | tuple[type, ...]] = {"key": str, "layouts": list}

@@ -41,8 +41,17 @@ from ..store import job, keys
 from ..store.bounded import GRACE_SECONDS, bounded, stuck
 from ..store.job import JOB
 from . import joining, reconcile, state_sync, world, wrappers
-from .agreement import GenerationTaken, _agree, _joiners_key, _naming_the_absent, _place_open, read_latest
-from .handover import _ddp_layouts, _joiners, _reconcile
+from .agreement import (
+    GenerationTaken,
+    _agree,
+    _joiners,
+    _joiners_key,
+    _naming_the_absent,
+    _place_open,
+    party_of,
+    read_latest,
+)
+from .handover import _ddp_layouts, _reconcile
 from .rebuild import _rebuild_in_place, rebuild_default
 from .snapshot import PeerSnapshot, halt_all
 
@@ -69,7 +78,7 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
     # to the rebuild: the others wait for this rank in that rebuild, and this process takes its
     # place there.
     latest = read_latest(JOB.root, st.name)
-    open_place = latest >= 1 and _place_open(JOB.root, st, latest)
+    open_place = latest >= 1 and _place_open(JOB.root, party_of(st), latest)
     st.generation = latest - 1 if open_place else latest
     deadline = effective_deadline(timeout, current_time())
     while True:
@@ -240,9 +249,10 @@ def _recover(
             if is_default:
                 JOB.root = store
         # Bounded: a store cut off by the network would otherwise hold this rank for minutes.
-        with _naming_the_absent(store, st, gen, joiner):
+        party = party_of(st)
+        with _naming_the_absent(store, party, gen, joiner):
             members = bounded(
-                lambda abandoned: _agree(store, st, gen, deadline, allow_shrink, abandoned, joiner),
+                lambda abandoned: _agree(store, party, gen, deadline, allow_shrink, abandoned, joiner),
                 deadline - current_time() + GRACE_SECONDS,
                 "the recovery agreement's store work",
             )
@@ -273,7 +283,7 @@ def _recover(
         wrappers.reset_ddp(groups)
         wrappers.reset_fsdp()
         logger.info("rank %d: group %r rebuilt in place as generation %d", me, st.name, gen)
-        joiners = _joiners(store, st, gen) if is_default else []
+        joiners = _joiners(store, st.name, gen) if is_default else []
         published: list[str] = []
         if joiners:
             layouts, published = _ddp_layouts(store, st, gen, groups, joiners, deadline)
@@ -281,7 +291,7 @@ def _recover(
         _reconcile(pg, st, name, gen, state, snapshot, joiners, held, deadline)
         if joiners and me == joiners[0]:  # every member read the list before the hand-over's barrier
             with contextlib.suppress(RuntimeError):  # a store without delete keeps it
-                store.delete_key(_joiners_key(st, gen))
+                store.delete_key(_joiners_key(st.name, gen))
         for key in published:  # every member read it before _reconcile's exchange
             with contextlib.suppress(RuntimeError):
                 store.delete_key(key)
