@@ -6,9 +6,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-# The longest tests (tens of seconds to two minutes each on 2 cores) start first, half of them
-# on each of the two workers: pytest-xdist's worksteal gives each worker a contiguous half of the
-# collection at first and steals from a list's end, so each half begins with its share of the
+# The longest tests (tens of seconds to two minutes each on 2 cores) start first, a share of them
+# on each worker: pytest-xdist's worksteal gives each worker a contiguous share of the
+# collection at first and steals from a list's end, so each share begins with its part of the
 # long tests, and the workers end on short ones instead of one finishing a long one alone.
 _LONGEST_FIRST = (
     "test_torch_suite.py::",
