@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from .deadlines import fail_after, validate_seconds
 from .errors import FastdistError, RecoveryError
@@ -207,8 +208,6 @@ class _SnapshotAtStart:
         restored = self.snapshot.restored_step
         if restored is None or restored == self.step:
             return
-        import torch.distributed as dist
-
         raise RecoveryError(
             group="default",
             rank=dist.get_rank() if dist.is_initialized() else -1,

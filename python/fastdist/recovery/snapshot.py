@@ -449,11 +449,6 @@ class PeerSnapshot:
         with self._lock:
             return {s: sorted(held) for s, held in self._all().items()}
 
-    def counted(self) -> list[int]:
-        """The steps whose snapshot counted on this rank (its barrier passed)."""
-        with self._lock:
-            return sorted(self._held)
-
     def copy_of(self, step: int, rank: int) -> dict[str, Any]:
         """The copy of ``rank``'s state dicts this rank holds for ``step`` (KeyError when it holds
         none)."""
