@@ -1,7 +1,8 @@
 """The README's and docs/'s Python examples do not rot: each block compiles, and every
-``fastdist.*`` name it uses exists (a renamed function or a moved module fails here). They are not
-run: most need a job of several processes; the jobs they describe are run by the tests each page
-names (tests/test_frameworks.py, tests/test_replace.py, ...)."""
+``fastdist.*`` name it uses exists (a renamed function or a moved module fails here). The README's
+first example, the bounded barrier, runs as written on two processes; the others are not run as
+they are: most are parts of a job of several processes, and the jobs they describe are run by the
+tests each page names (tests/test_frameworks.py, tests/test_replace.py, ...)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,37 @@ def test_every_python_example_in_the_docs_compiles_and_names_what_exists() -> No
             except ImportError:
                 missing.append(f"{where}: {name}")
     assert not missing, missing
+
+
+@pytest.mark.timeout(90)
+def test_the_readmes_first_example_runs_as_it_is_on_two_ranks() -> None:
+    """The README's bounded barrier, the block as written (env:// as torchrun sets it), on two
+    real processes: it returns on both."""
+    import os
+    import subprocess
+    import sys
+
+    from mp import free_port, kill_sessions
+
+    readme = [src for where, src in _blocks() if where.startswith("README.md")]
+    block = next(src for src in readme if "fastdist.barrier(timeout=10)" in src)
+    port = str(free_port())
+    procs = []
+    try:
+        for rank in range(2):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
+            code = block + "\nprint('returned', fastdist.get_rank(), flush=True)\n"
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        outs = [p.communicate(timeout=60)[0].decode(errors="replace") for p in procs]
+    finally:
+        kill_sessions(procs)
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"returned {rank}" in out, out
