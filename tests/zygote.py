@@ -78,7 +78,7 @@ def serve(fd: int) -> tuple[dict[str, Any], int, int] | None:
 
 def run_child(request: dict[str, Any], out: int, err: int) -> None:
     """In the forked child: becomes the rank's process, then runs its script as ``__main__``."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # (as Python's own start-up leaves it)
     os.dup2(out, 1)

@@ -32,7 +32,7 @@ class Party:
     """A rank's place in its group's recovery agreement, on plain data (as fastdist.store.board's
     Seat is its place on the board): what the protocol reads of the group, and nothing of torch's,
     so that the agreement runs for thousands of simulated ranks (bench/sim_report.py) and in unit
-    tests. ``GroupState.party()`` makes a live group's."""
+    tests. :func:`party_of` makes a live group's."""
 
     store: Any
     name: str
