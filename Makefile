@@ -42,13 +42,13 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 # Three workers on 2 cores: much of the suite's time is spent waiting for deadlines and processes
-# (measured with the ranks forked from a zygote, tests/zygote.py: 661 s on three workers, 715 s on
+# (measured with the ranks forked from a zygote, tests/support/zygote.py: 661 s on three workers, 715 s on
 # two, every test passing both ways; the timing tests' tolerances hold with the CPU saturated).
-# The tests' CPU double of NCCL (tests/doubles, torch's cpp_extension) is built against this torch
+# The tests' CPU double of NCCL (tests/support/doubles, torch's cpp_extension) is built against this torch
 # while the gates run (about a minute of compiling, beside mypy's one core).
 test: setup
 	scripts/install-test-deps
-	$(PY) -c "import sys; sys.path.insert(0, 'tests'); import fake_nccl" & double=$$!; \
+	$(PY) -c "import sys; sys.path.insert(0, 'tests/support'); import fake_nccl" & double=$$!; \
 	  $(MAKE) --no-print-directory check; gates=$$?; wait $$double || exit 1; exit $$gates
 	$(PY) -m pytest -n 3 --dist worksteal --durations=25 -m "not bench_smoke"
 
@@ -56,7 +56,7 @@ test: setup
 # it after make test, which it would push past 15 minutes on 2 cores).
 bench-smoke: setup
 	scripts/install-test-deps
-	$(PY) -c "import sys; sys.path.insert(0, 'tests'); import fake_nccl"
+	$(PY) -c "import sys; sys.path.insert(0, 'tests/support'); import fake_nccl"
 	$(PY) -m pytest -n 2 --dist worksteal -m bench_smoke
 
 # The benchmarks (about 9 minutes on 2 cores): JSON, a markdown summary and a PNG plot in bench/results/.

@@ -1,7 +1,7 @@
 """Issue 25, item 6: how long a process takes to exit after Ctrl-C in DDP's backward (a peer that
 never comes, fastdist's watched groups), against torch's own exit in the same run: a process that
 only imports torch, and a gloo + DDP process that trains a step and exits normally. Measured from
-the process's last line to its end, as its parent sees it (tests/mp.py polls every 10 ms)."""
+the process's last line to its end, as its parent sees it (tests/support/mp.py polls every 10 ms)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import SMOKE
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import watched_ranks
 from mp import free_port, run_ranks
 

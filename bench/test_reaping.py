@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import ranks
 from mp import describe, run_ranks
 
@@ -52,7 +52,8 @@ def test_gpu_torch_ops_on_a_watched_group(benchmark) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_abort_with_a_kernel_in_flight(benchmark) -> None:
-    from gpu.nccl_gpu_ranks import SHARED_GPU_ENV
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
+    from nccl_gpu_ranks import SHARED_GPU_ENV
 
     rec = _gpu_record(
         benchmark, ranks.gpu_abort_bench, "abort", world=2, absent=(1,), env=SHARED_GPU_ENV, timeout=120

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import SMOKE
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import ranks
 from mp import describe, run_ranks
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import SMOKE
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 from mp import free_port, run_processes, run_session
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,7 +3,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The tests are in folders by layer (api, ops, groups, diagnostics, recovery, store, launcher,
+# frameworks, docs, torch_suite, gpu), each test file beside the rank scripts and jobs it runs;
+# the harness they share (tests/mp.py's run_ranks, the zygote, the NCCL double) is in support/.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 
 # The longest tests (tens of seconds to two minutes each on 2 cores) start first, a share of them

@@ -1,6 +1,6 @@
 // HMAC-SHA256 for the records C++ writes to the job's store (fastdist.store.seal signs Python's
 // with the same secret; a record whose tag is wrong is ignored by every reader). SHA-256 as in
-// FIPS 180-4, HMAC as in RFC 2104; checked against Python's hmac in tests/test_protocols.py.
+// FIPS 180-4, HMAC as in RFC 2104; checked against Python's hmac in tests/recovery/test_protocols.py.
 #include "internal.h"
 
 #include <array>

@@ -62,7 +62,7 @@ from .steps import check_retries, positive_seconds, run_step
 log = logging.getLogger("fastdist")
 
 # The transformers releases whose Trainer._run_epoch this module's replaces (major, minor):
-# 5.25 tested in CI (tests/test_frameworks.py, tests/trainer_job.py).
+# 5.25 tested in CI (tests/frameworks/test_frameworks.py, tests/frameworks/trainer_job.py).
 TESTED = ((5, 25),)
 _EPOCH_ARGS = (
     "self", "model", "epoch", "train_dataloader", "steps_in_epoch", "num_update_steps_per_epoch", "trial",

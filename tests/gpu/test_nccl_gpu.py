@@ -1,5 +1,5 @@
 """NCCL on real GPUs. Skipped, with the reason, where CUDA or NCCL is absent (the CPU-only
-development and CI machines): there tests/test_nccl_path.py runs the same scenarios on the CPU
+development and CI machines): there tests/groups/test_nccl_path.py runs the same scenarios on the CPU
 double of ProcessGroupNCCL. scripts/gpu-check runs these on a GPU machine; the two-rank ones run
 on a single GPU too (each rank a host of its own to NCCL: nccl_gpu_ranks.SHARED_GPU_ENV)."""
 
@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "groups"))  # the CPU double's test: the same scenarios' checks
+
+import nccl_gpu_ranks
 from mp import describe, free_port, run_ranks
 from test_nccl_path import assert_stalled_step_redone
 
-from gpu import nccl_gpu_ranks
-
-HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 

@@ -81,7 +81,7 @@ def _wrap(pg: Any, device: Any, backend_type: Any, backend: Any) -> Any:
         timeout = group_timeout.total_seconds() if group_timeout is not None else SETTINGS.group_timeout
     # NCCL completes a work's future at enqueue: its works are polled (work.is_completed(), the
     # end event's query), and so are those of a backend that says it is NCCL-like (its stream
-    # marker: the tests' CPU double of NCCL, tests/fake_nccl.py).
+    # marker: the tests' CPU double of NCCL, tests/support/fake_nccl.py).
     marker = pgstate.stream_marker_of(backend)
     is_polled = backend_type == getattr(ProcessGroup.BackendType, "NCCL", None) or marker is not None
     wrapper = WatchedBackend(backend, "", float(timeout), is_polled, marker)

@@ -2,7 +2,7 @@
 
 A TCPStore call to a store whose host dropped off the network (packets vanish, no reset) does not
 return: the store's timeout bounds only waits for keys, and TCP retransmits for many minutes
-(tests/test_netfaults.py measured an ``add`` still blocked after 200 s). The report, the ring and
+(tests/diagnostics/test_netfaults.py measured an ``add`` still blocked after 200 s). The report, the ring and
 the recovery agreement run their store work through :func:`bounded`: in a helper thread, waited
 for until a deadline, after which the caller gets :class:`StoreUnanswered` (a diagnosed "the
 store cannot be reached" error) instead of a hang. The helper stays blocked until TCP gives up or
