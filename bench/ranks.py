@@ -1,4 +1,4 @@
-"""The ranks of the benchmarks that run scenarios (run by tests/mp.run_ranks)."""
+"""The ranks of the benchmarks that run scenarios (run by tests/support/mp.run_ranks)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 # The tests are in folders by layer (api, ops, groups, diagnostics, recovery, store, launcher,
 # frameworks, docs, torch_suite, gpu), each test file beside the rank scripts and jobs it runs;
-# the harness they share (tests/mp.py's run_ranks, the zygote, the NCCL double) is in support/.
+# the harness they share (mp.py's run_ranks, the zygote, the NCCL double) is in support/.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 
