@@ -1,30 +1,76 @@
-"""The README's and docs/'s Python examples do not rot: each block compiles, and every
-``fastdist.*`` name it uses exists (a renamed function or a moved module fails here). The README's
-first example, the bounded barrier, runs as written on two processes; the others are not run as
-they are: most are parts of a job of several processes, and the jobs they describe are run by the
-tests each page names (tests/frameworks/test_frameworks.py, tests/recovery/test_replace.py, ...)."""
+"""The README's and docs/'s Python examples do not rot. Every ```python block is named
+(``<!-- example: NAME -->`` above it, tests/docs/docs_ranks.py); each compiles and every
+``fastdist.*`` name in it exists; those in docs_ranks.SETUPS run as written on two processes and
+are checked for what they must have done. The others (NOT_RUN_HERE) are parts of jobs that need
+what this suite starts elsewhere (a framework's launcher, etcd, a GPU): each names the test that
+runs that job."""
 
 from __future__ import annotations
 
 import importlib
 import re
-import textwrap
 from pathlib import Path
 
+import docs_ranks
 import pytest
+from mp import describe, free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_BLOCK = re.compile(r"^[ \t]*```python\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 _NAME = re.compile(r"\bfastdist(?:\.[A-Za-z_]\w*)+")
 
+# The examples not run here as written, each with the test that runs its job (a real job of the
+# same calls, with a fault), and why this one is not: the reason is what the block needs.
+_FW = "tests/frameworks/test_frameworks.py::"
+NOT_RUN_HERE = {
+    "lightning-ddp": (_FW + "test_trainer_under_fastdist_run_replaces_a_killed_worker", "8 GPUs"),
+    "lightning-fsdp2": (_FW + "test_trainer_fsdp2_under_torchrun_redoes_a_step_and_a_micro_batch", "8 ranks"),
+    "lightning-fsdp2-snapshots": (
+        _FW + "test_trainer_fsdp2_with_snapshot_copies_replaces_a_worker_killed_in_the_snapshot_exchange",
+        "8 ranks",
+    ),
+    "fabric-loop": (
+        _FW + "test_fabric_loop_under_fastdist_run_replaces_a_killed_worker",
+        "Fabric's launcher",
+    ),
+    "fabric-fsdp2": (
+        _FW + "test_fabric_fsdp2_under_fastdist_run_replaces_a_killed_worker_from_a_snapshot",
+        "Fabric's launcher",
+    ),
+    "accelerate-loop": (_FW + "test_accelerate_under_torchrun_with_accumulate", "an Accelerate launch"),
+    "accelerate-windows": (
+        _FW + "test_accelerate_under_fastdist_run_replaces_a_killed_worker",
+        "fastdist run",
+    ),
+    "hf-trainer": (
+        _FW + "test_hugging_face_trainer_survives_a_stall_and_two_deaths_equal_to_an_undisturbed_run",
+        "fastdist run and a model",
+    ),
+    "etcd-init": (
+        "tests/store/test_etcd.py::test_three_ranks_on_etcd_time_out_recover_and_survive_losing_rank_0",
+        "an etcd cluster",
+    ),
+    "etcd-tls": (
+        "tests/store/test_etcd_tls.py::test_a_job_rendezvous_through_etcd_url_with_tls_and_a_password",
+        "etcd with TLS",
+    ),
+    "nccl-ddp": (
+        "tests/gpu/test_nccl_gpu.py::test_a_stalled_step_raises_in_time_and_is_redone_exactly_on_nccl",
+        "a GPU",
+    ),
+}
 
-def _blocks() -> list[tuple[str, str]]:
-    out = []
-    for page in PAGES:
-        for i, m in enumerate(_BLOCK.finditer(page.read_text())):
-            out.append((f"{page.relative_to(ROOT)}#{i + 1}", textwrap.dedent(m.group(1))))
-    return out
+
+def test_every_example_is_named_and_either_runs_here_or_names_the_test_of_its_job() -> None:
+    names = set(docs_ranks.blocks())  # ValueError: a block without a name, or a name used twice
+    assert len(names) >= 26, sorted(names)  # the pattern still finds them
+    assert not set(docs_ranks.SETUPS) & set(NOT_RUN_HERE)
+    assert names == set(docs_ranks.SETUPS) | set(NOT_RUN_HERE), (
+        f"not on a page: {sorted((set(docs_ranks.SETUPS) | set(NOT_RUN_HERE)) - names)}; "
+        f"neither run nor accounted for: {sorted(names - set(docs_ranks.SETUPS) - set(NOT_RUN_HERE))}"
+    )
+    for name, (test, _why) in NOT_RUN_HERE.items():
+        path, _, func = test.partition("::")
+        assert f"def {func}(" in (ROOT / path).read_text(), f"{name}: {test} does not exist"
 
 
 def _resolve(name: str) -> None:
@@ -39,11 +85,9 @@ def _resolve(name: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_every_python_example_in_the_docs_compiles_and_names_what_exists() -> None:
-    blocks = _blocks()
-    assert len(blocks) >= 20, [where for where, _ in blocks]  # the pattern still finds them
     missing = []
-    for where, src in blocks:
-        compile(src, where, "exec")  # SyntaxError names the page and the block
+    for where, src in docs_ranks.blocks().values():
+        compile(src, where, "exec")  # SyntaxError names the page and the line
         for name in sorted(set(_NAME.findall(src))):
             try:
                 _resolve(name)
@@ -52,35 +96,35 @@ def test_every_python_example_in_the_docs_compiles_and_names_what_exists() -> No
     assert not missing, missing
 
 
-@pytest.mark.timeout(90)
-def test_the_readmes_first_example_runs_as_it_is_on_two_ranks() -> None:
-    """The README's bounded barrier, the block as written (env:// as torchrun sets it), on two
-    real processes: it returns on both."""
-    import os
-    import subprocess
-    import sys
+# What two ranks must agree on, or hold, after an example (its check's fields, docs_ranks).
+_EXPECTED = {
+    "api-bounded": {"gathered": [[0.0, 0.0], [1.0, 1.0]]},
+    "api-scopes": {"gathered": [[0.0, 0.0], [1.0, 1.0]]},
+    "api-async": {"grad": [2.0, 2.0, 2.0]},
+    "api-recover": {"grad": [8.0]},  # three all_reduces (sums) of ones over two ranks
+    "replacement-progress": {"step": 4},
+}
 
-    from mp import free_port, kill_sessions
 
-    readme = [src for where, src in _blocks() if where.startswith("README.md")]
-    block = next(src for src in readme if "fastdist.barrier(timeout=10)" in src)
-    port = str(free_port())
-    procs = []
-    try:
-        for rank in range(2):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
-            code = block + "\nprint('returned', fastdist.get_rank(), flush=True)\n"
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", code],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        outs = [p.communicate(timeout=60)[0].decode(errors="replace") for p in procs]
-    finally:
-        kill_sessions(procs)
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"returned {rank}" in out, out
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("name", sorted(docs_ranks.SETUPS))
+def test_the_example_runs_as_written_on_two_ranks(name: str, tmp_path: Path) -> None:
+    env = {
+        "FASTDIST_DOC_EXAMPLE": name,
+        "FASTDIST_DOC_TMP": str(tmp_path),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    results = run_ranks(docs_ranks.run_example, 2, timeout=80, env=env)
+    info = describe(results)
+    ran = [r.record("ran") for r in results]
+    assert all(r.returncode == 0 for r in results), info
+    for rank, rec in enumerate(ran):
+        if "world" in rec:  # the group it made, or the one it stands in
+            assert (rec["rank"], rec["world"]) == (rank, 2), info
+        if "step" in rec and name in _EXPECTED:
+            assert rec["step"] == _EXPECTED[name]["step"], info
+        for key, want in _EXPECTED.get(name, {}).items():
+            assert rec[key] == want, (key, rec, info)
+    if "params" in ran[0]:  # a training loop: every rank ends with the same model
+        assert ran[0]["params"] == ran[1]["params"] and ran[0]["step"] == ran[1]["step"], info
