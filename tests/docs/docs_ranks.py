@@ -234,6 +234,43 @@ SETUPS: dict[
     "snapshots-checkpoint": (_fsdp2_restarted, _fsdp2_trained),
 }
 
+
+def _lightning(ns: dict[str, Any]) -> None:
+    """What frameworks.md's first example imported: Lightning, fastdist.lightning, fully_shard."""
+    import fastdist.lightning
+    import lightning as L
+    from torch.distributed.fsdp import fully_shard
+
+    ns.update(L=L, fully_shard=fully_shard, fastdist=fastdist)
+
+
+def _strategy(ns: dict[str, Any]) -> dict[str, Any]:
+    st = ns["strategy"]
+    return {
+        "step_timeout": st._fastdist_step_timeout,
+        "collective_timeout": st._fastdist_collective_timeout,
+        "copies": st._fastdist_snapshot_copies,
+    }
+
+
+# name -> (setup, check): examples that make objects only (no group, no process of their own): they
+# run as written in the test's process.
+IN_PROCESS: dict[str, tuple[Callable[[dict[str, Any]], None], Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    "lightning-fsdp2": (_lightning, _strategy),
+    "lightning-fsdp2-snapshots": (_lightning, _strategy),
+}
+
+
+def run_in_process(name: str) -> dict[str, Any]:
+    """The example ``name`` of IN_PROCESS, as written, after its setup: its check's fields."""
+    where, src = blocks()[name]
+    setup, check = IN_PROCESS[name]
+    ns: dict[str, Any] = {"__name__": f"example_{name.replace('-', '_')}"}
+    setup(ns)
+    exec(compile(src, where, "exec"), ns)  # noqa: S102 - the page's example, as written
+    return check(ns)
+
+
 # The pages' example hosts, as this machine's: "{port}" is the job's MASTER_PORT.
 ADDRESSES = {"10.0.0.1:29500": "127.0.0.1:{port}"}
 

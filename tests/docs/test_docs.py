@@ -23,11 +23,6 @@ _NAME = re.compile(r"\bfastdist(?:\.[A-Za-z_]\w*)+")
 _FW = "tests/frameworks/test_frameworks.py::"
 NOT_RUN_HERE = {
     "lightning-ddp": (_FW + "test_trainer_under_fastdist_run_replaces_a_killed_worker", "8 GPUs"),
-    "lightning-fsdp2": (_FW + "test_trainer_fsdp2_under_torchrun_redoes_a_step_and_a_micro_batch", "8 ranks"),
-    "lightning-fsdp2-snapshots": (
-        _FW + "test_trainer_fsdp2_with_snapshot_copies_replaces_a_worker_killed_in_the_snapshot_exchange",
-        "8 ranks",
-    ),
     "fabric-loop": (
         _FW + "test_fabric_loop_under_fastdist_run_replaces_a_killed_worker",
         "Fabric's launcher",
@@ -63,10 +58,12 @@ NOT_RUN_HERE = {
 def test_every_example_is_named_and_either_runs_here_or_names_the_test_of_its_job() -> None:
     names = set(docs_ranks.blocks())  # ValueError: a block without a name, or a name used twice
     assert len(names) >= 26, sorted(names)  # the pattern still finds them
-    assert not set(docs_ranks.SETUPS) & set(NOT_RUN_HERE)
-    assert names == set(docs_ranks.SETUPS) | set(NOT_RUN_HERE), (
-        f"not on a page: {sorted((set(docs_ranks.SETUPS) | set(NOT_RUN_HERE)) - names)}; "
-        f"neither run nor accounted for: {sorted(names - set(docs_ranks.SETUPS) - set(NOT_RUN_HERE))}"
+    kinds = [set(docs_ranks.SETUPS), set(docs_ranks.IN_PROCESS), set(NOT_RUN_HERE)]
+    assert sum(map(len, kinds)) == len(set().union(*kinds)), "an example in two lists"
+    accounted = set().union(*kinds)
+    assert names == accounted, (
+        f"not on a page: {sorted(accounted - names)}; "
+        f"neither run nor accounted for: {sorted(names - accounted)}"
     )
     for name, (test, _why) in NOT_RUN_HERE.items():
         path, _, func = test.partition("::")
@@ -128,3 +125,15 @@ def test_the_example_runs_as_written_on_two_ranks(name: str, tmp_path: Path) -> 
             assert rec[key] == want, (key, rec, info)
     if "params" in ran[0]:  # a training loop: every rank ends with the same model
         assert ran[0]["params"] == ran[1]["params"] and ran[0]["step"] == ran[1]["step"], info
+
+
+@pytest.mark.timeout(60)
+def test_the_lightning_strategy_examples_run_as_written() -> None:
+    """frameworks.md's FSDP2 strategies, made as the page makes them (nothing is launched)."""
+    assert docs_ranks.run_in_process("lightning-fsdp2") == {
+        "step_timeout": 60.0,
+        "collective_timeout": 120.0,
+        "copies": 0,
+    }
+    made = docs_ranks.run_in_process("lightning-fsdp2-snapshots")
+    assert made["step_timeout"] == 60.0 and made["copies"] == 1, made
