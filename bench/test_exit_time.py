@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import SMOKE
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS / "support"), str(TESTS / "groups")]  # the harness; watched_ranks
 import watched_ranks
 from mp import free_port, run_ranks
 

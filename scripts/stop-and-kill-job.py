@@ -4,7 +4,7 @@ past --kill-missing-after, 10 s, the agent kills and replaces it); compared with
 run. Usage: [STOP_SECONDS=30] python scripts/stop-and-kill-job.py OUT_DIR"""
 import json, os, signal, subprocess, sys, time, socket
 from pathlib import Path
-sys.path.insert(0, "/work/main/tests")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from mp import free_port
 from fastdist.examples.train_ddp import compare
 root = Path(sys.argv[1]); root.mkdir(parents=True, exist_ok=True)
