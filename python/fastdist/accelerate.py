@@ -117,7 +117,9 @@ def step(
 
     A step whose optimizer had already updated the parameters when it failed (a collective after
     ``opt.step()`` inside ``fn``) is not redone: ``RuntimeError``. Keep logging and metric
-    collectives (``gather``, ``reduce``) after ``step``."""
+    collectives (``gather``, ``reduce``) after ``step``. An accelerator that runs this process
+    alone in a job of several processes (on CPU without ``Accelerator(cpu=True)``) is refused:
+    ``ValueError``."""
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     optimizers = getattr(accelerator, "_optimizers", None)
@@ -126,6 +128,7 @@ def step(
     seconds = positive_seconds(timeout, "timeout")
     retries = check_retries(max_retries)
     recover_seconds = positive_seconds(recover_timeout, "recover_timeout")
+    _check_distributed(accelerator)
     start = _Start(accelerator, optimizers)
     on_retry = snapshot_at_start(snapshot, step_number, state)
     if state is not None:
@@ -145,6 +148,23 @@ def step(
         on_retry=on_retry,
     )
     return result
+
+
+def _check_distributed(accelerator: Any) -> None:
+    """Refuses an accelerator that runs this process alone in a job of several: Accelerate makes
+    a CPU job distributed only with ``Accelerator(cpu=True)`` and otherwise leaves each process to
+    train on its own (no all-reduce, every loader unsharded, every model different), silently."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    if getattr(accelerator, "num_processes", None) == 1:
+        raise ValueError(
+            f"accelerator: this process is rank {dist.get_rank()} of a job of {dist.get_world_size()}, "
+            "but the Accelerator runs it alone (distributed_type "
+            f"{getattr(accelerator, 'distributed_type', '?')}): each process would train its own model. "
+            "On CPU make it with Accelerator(cpu=True, ...); on GPUs launch with fastdist run or torchrun"
+        )
 
 
 # The prepared loaders whose missing LoaderState was said (once per loader and process).

@@ -27,7 +27,7 @@ import fastdist
 import pytest
 import torch
 from fastdist.steps import StepStart
-from mp import free_port, run_session
+from mp import describe, free_port, run_ranks, run_session
 
 HERE = Path(__file__).resolve().parent
 
@@ -317,6 +317,41 @@ def test_a_lone_accelerate_cpu_launch_is_refused_naming_fastdist_run(monkeypatch
     assert "\n" not in line and "`accelerate launch --cpu` started this one process" in line, line
     assert "fastdist run --nproc-per-node N" in line, line
     assert not torch.distributed.is_initialized()
+
+
+def accelerator_alone(ctx: Any) -> None:
+    """Rank code: a 2-rank job whose Accelerator is made for GPUs (no cpu=True) on this CPU
+    machine, as docs/frameworks.md's example is written: Accelerate runs each process alone."""
+    import os
+
+    import fastdist.accelerate
+    from accelerate import Accelerator
+
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank))
+    fastdist.accelerate.init_process_group()
+    accelerator = Accelerator()
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    calls = []
+    try:
+        fastdist.accelerate.step(accelerator, lambda: calls.append(1), timeout=10)
+    except ValueError as err:
+        ctx.record("refused", message=str(err), calls=len(calls), processes=accelerator.num_processes)
+
+
+@pytest.mark.timeout(60)
+def test_an_accelerator_that_runs_each_process_alone_is_refused_at_its_first_step() -> None:
+    """Without cpu=True Accelerate leaves each CPU process of a distributed job to train alone
+    (no all-reduce, every model different) and says nothing: fastdist.accelerate.step refuses
+    before the step runs, naming the fix."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    results = run_ranks(accelerator_alone, 2, timeout=50, env=env)
+    for r in results:
+        refused = r.record("refused")
+        assert refused["processes"] == 1 and refused["calls"] == 0, describe(results)
+        assert f"rank {r.rank} of a job of 2" in refused["message"], refused
+        assert "Accelerator(cpu=True" in refused["message"], refused
 
 
 @pytest.mark.timeout(60)
