@@ -3,11 +3,13 @@ as written (tests/docs/test_docs.py).
 
 Every ```python block on a page is preceded by ``<!-- example: NAME -->`` (an HTML comment: shown
 neither on GitHub nor on the site). A block named in ``SETUPS`` runs as it is written on two
-processes (env://, gloo, MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE as torchrun sets them): its setup
-makes only what the page leaves to the reader (a model, a batch function, a step count, a tensor,
-a group the page's earlier block initialized), ``ADDRESSES`` maps the page's example hosts to this
-machine's, and its check, run after the block on its names, asserts what the block must have
-done. The rest are in test_docs.NOT_RUN_HERE, each with the test that runs its job."""
+processes (``WORLD``: three for Fabric's ``devices=3``), env://, gloo, RANK/WORLD_SIZE/LOCAL_RANK/
+MASTER_ADDR/MASTER_PORT as torchrun sets them (so Lightning and Accelerate take each process for a
+rank): its setup makes only what the page leaves to the reader (a model, a loader, a step count, a
+tensor, what the page's earlier example made), ``ADDRESSES`` maps the page's example hosts to this
+machine's, and its check, run after the block on its names, returns what the test compares
+across ranks. ``IN_PROCESS`` examples only make objects and run in the test's process. The rest
+are in test_docs.NOT_RUN_HERE, each with the test that runs its job."""
 
 from __future__ import annotations
 
@@ -160,6 +162,138 @@ def _fsdp2_restarted(ns: dict[str, Any]) -> None:
     ns.update(ckpt=ckpt, restarted=True, os=os)
 
 
+def _data(n: int) -> Any:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
+
+
+def _net() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+class Position:
+    """accelerate-windows' position: windows done, as a Stateful."""
+
+    def __init__(self) -> None:
+        self.windows = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"windows": self.windows}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.windows = int(sd["windows"])
+
+
+def _accelerate(ns: dict[str, Any]) -> None:
+    """The names of the page's Accelerate example: a model, optimizer, scheduler, loader."""
+    import datetime
+
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ns.update(
+        timedelta=datetime.timedelta,
+        InitProcessGroupKwargs=InitProcessGroupKwargs,
+        Accelerator=Accelerator,
+        model=model,
+        opt=opt,
+        sched=torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5),
+        loader=_data(32),
+        loss_fn=F.mse_loss,
+    )
+
+
+def _accelerate_windows(ns: dict[str, Any]) -> None:
+    """As the page's example before it left things: the accelerator made, everything prepared."""
+    _accelerate(ns)
+    import fastdist.accelerate
+
+    kwargs = ns["InitProcessGroupKwargs"](timeout=ns["timedelta"](minutes=10))
+    fastdist.accelerate.init_process_group(kwargs)
+    accelerator = ns["Accelerator"](cpu=True, kwargs_handlers=[kwargs], gradient_accumulation_steps=2)
+    prepared = accelerator.prepare(ns["model"], ns["opt"], _data(64), ns["sched"])
+    ns.update(zip(("model", "opt", "loader", "sched"), prepared))
+    ns.update(accelerator=accelerator, accum=2, windows=3, Position=Position)
+
+
+def _fabric(ns: dict[str, Any]) -> None:
+    """The names of the page's Fabric loop; each process is a rank (as under torchrun)."""
+    import fastdist.lightning
+    import torch
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    model = _net()
+    ns.update(
+        Fabric=Fabric,
+        fastdist=fastdist,
+        model=model,
+        opt=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        loader=_data(48),
+        accum=2,
+        loss_fn=F.mse_loss,
+    )
+
+
+def _fabric_fsdp2(ns: dict[str, Any]) -> None:
+    """The names of the page's Fabric FSDP2 loop: the model, the loop's position, the step."""
+    import fastdist.lightning
+    import torch
+    import torch.nn.functional as F
+    from fastdist.examples.train_ddp import Progress
+    from lightning.fabric import Fabric
+    from torch.distributed.fsdp import fully_shard
+
+    rank = int(os.environ["RANK"])
+
+    def step() -> None:  # on the names the example made: its model and optimizer
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * ns["progress"].step + rank))
+        ns["fabric"].backward(F.mse_loss(ns["model"](x), x.sum(1, keepdim=True).sin()))
+        ns["opt"].step()
+        ns["opt"].zero_grad()
+
+    ns.update(
+        Fabric=Fabric,
+        fully_shard=fully_shard,
+        fastdist=fastdist,
+        net=_net(),
+        progress=Progress(),
+        steps=3,
+        step=step,
+    )
+
+
+def _hf_trainer(ns: dict[str, Any]) -> None:
+    """A tiny GPT-2 from its config and token data; the Trainer writes in the test's folder."""
+    import torch
+    import transformers
+
+    class Data(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+        def __init__(self, n: int, seed: int) -> None:
+            self.ids = torch.randint(0, 64, (n, 12), generator=torch.Generator().manual_seed(seed))
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    os.chdir(os.environ["FASTDIST_DOC_TMP"])  # output_dir="out", as the page writes it
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    ns.update(model=transformers.GPT2LMHeadModel(config), train=Data(64, 1), val=Data(16, 2))
+
+
 # What each example must have done ---------------------------------------------------------------
 
 
@@ -203,6 +337,35 @@ def _scopes(ns: dict[str, Any]) -> dict[str, Any]:
     return _gathered(ns, "out")
 
 
+def _windows(ns: dict[str, Any]) -> dict[str, Any]:
+    assert ns["position"].windows == ns["windows"]
+    return {"step": ns["position"].windows, "params": _sum(ns["model"])}
+
+
+def _sum(model: Any) -> float:
+    full = [getattr(p, "full_tensor", lambda p=p: p)() for p in model.parameters()]
+    return float(sum(p.detach().sum() for p in full))
+
+
+def _gathered_losses(ns: dict[str, Any]) -> dict[str, Any]:
+    sched = getattr(ns["sched"], "scheduler", ns["sched"])  # Accelerate's wrapper holds torch's
+    return {"step": sched.last_epoch, "params": _sum(ns["model"]), "losses": ns["losses"].numel()}
+
+
+def _fabric_trained(ns: dict[str, Any]) -> dict[str, Any]:
+    return {"step": ns["i"] + 1, "params": _sum(ns["model"])}
+
+
+def _fabric_fsdp2_trained(ns: dict[str, Any]) -> dict[str, Any]:
+    assert ns["progress"].step == ns["steps"]
+    return {"step": ns["progress"].step, "params": _sum(ns["model"])}
+
+
+def _trainer_trained(ns: dict[str, Any]) -> dict[str, Any]:
+    assert ns["trainer"].state.global_step > 0, ns["trainer"].state
+    return {"step": ns["trainer"].state.global_step, "params": _sum(ns["model"])}
+
+
 def _grad(ns: dict[str, Any]) -> dict[str, Any]:
     return {"grad": ns["grad"].tolist()}
 
@@ -232,7 +395,14 @@ SETUPS: dict[
     "replacement-grow": (_grow, _trained),
     "snapshots-fsdp2": (_fsdp2, _fsdp2_trained),
     "snapshots-checkpoint": (_fsdp2_restarted, _fsdp2_trained),
+    "accelerate-loop": (_accelerate, _gathered_losses),
+    "accelerate-windows": (_accelerate_windows, _windows),
+    "fabric-loop": (_fabric, _fabric_trained),
+    "fabric-fsdp2": (_fabric_fsdp2, _fabric_fsdp2_trained),
+    "hf-trainer": (_hf_trainer, _trainer_trained),
 }
+# The processes an example needs, where not two: Fabric's devices=3.
+WORLD = {"fabric-loop": 3, "fabric-fsdp2": 3}
 
 
 def _lightning(ns: dict[str, Any]) -> None:
@@ -273,6 +443,9 @@ def run_in_process(name: str) -> dict[str, Any]:
 
 # The pages' example hosts, as this machine's: "{port}" is the job's MASTER_PORT.
 ADDRESSES = {"10.0.0.1:29500": "127.0.0.1:{port}"}
+# What a page writes for GPUs, as it is written on a machine without one: Accelerate runs each CPU
+# process alone unless told cpu=True (fastdist.accelerate.step refuses that: test_frameworks.py).
+ON_CPU = {"accelerate-loop": {"Accelerator(kwargs_handlers=": "Accelerator(cpu=True, kwargs_handlers="}}
 
 
 def run_example(ctx: Any) -> None:
@@ -283,6 +456,9 @@ def run_example(ctx: Any) -> None:
     where, src = blocks()[name]
     for page_addr, here in ADDRESSES.items():
         src = src.replace(page_addr, here.format(port=os.environ["MASTER_PORT"]))
+    for gpu, cpu in ON_CPU.get(name, {}).items():
+        assert gpu in src, f"{name}: the page no longer writes {gpu!r}"
+        src = src.replace(gpu, cpu)
     setup, check = SETUPS[name]
     import fastdist
     import torch
