@@ -46,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("delay") = 0.0, py::arg("abort_hangs") = false, py::arg("dump_sleep") = 60.0)
       .def_static("aborts", [] { return NcclDouble::aborts().load(); })
       .def("get_error", [](NcclDouble& d) { return static_cast<int>(d.getError()); })
+      .def("comm_error", &NcclDouble::comm_error)
       .def_property_readonly("timeout", &NcclDouble::timeout);
   // Whether a work holds an error: Work.exception() has no Python conversion in torch 2.11.
   m.def("has_error", [](const c10::intrusive_ptr<c10d::Work>& w) { return static_cast<bool>(w->exception()); });

@@ -136,6 +136,7 @@ struct DoubleComm {
   c10::intrusive_ptr<c10d::Backend> transport;
   int rank = 0;
   std::atomic<bool> aborted{false};
+  std::atomic<bool> async_error{false};  // ncclCommGetAsyncError would say so (comm_error())
   std::mutex mu;
   std::shared_ptr<OpState> tail;  // the last op queued on the stream
   bool coalescing = false;
@@ -270,7 +271,10 @@ void NcclDouble::watchdog() {
       continue;
     }
     c10d::ErrorType failed = c10d::ErrorType::SUCCESS;
-    for (auto it = comm_->copies.begin(); it != comm_->copies.end();) {
+    // NCCL's asynchronous error on the communicator itself (a peer died between ops, none of ours
+    // in flight): the watchdog aborts it all the same.
+    if (comm_->async_error.exchange(false)) failed = c10d::ErrorType::COMM_ERROR;
+    for (auto it = comm_->copies.begin(); failed == c10d::ErrorType::SUCCESS && it != comm_->copies.end();) {
       if (it->state->ran_now()) {
         if (auto e = it->state->error()) {
           it->error = e;  // on the copy
@@ -295,6 +299,13 @@ void NcclDouble::watchdog() {
     const double sleep = dump_sleep().load();
     if (sleep > 0) std::this_thread::sleep_for(std::chrono::duration<double>(sleep));
   }
+}
+
+c10d::Backend* NcclDouble::comm() {
+  // NCCLComm::getNcclComm, on every op ProcessGroupNCCL issues: an aborted communicator (by
+  // fastdist, or by the watchdog after an error or a timeout) throws as the op is issued.
+  TORCH_CHECK_WITH(DistBackendError, !comm_->aborted.load(), "NCCL communicator was aborted on rank ", rank_, ".");
+  return comm_->transport.get();
 }
 
 c10::intrusive_ptr<c10d::Work> NcclDouble::enqueue(c10d::OpType type, c10::intrusive_ptr<c10d::Work> moved,
@@ -348,62 +359,62 @@ c10::intrusive_ptr<c10d::Work> NcclDouble::endCoalescing() {
 }
 
 c10::intrusive_ptr<c10d::Work> NcclDouble::broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) {
-  return enqueue(c10d::OpType::BROADCAST, comm_->transport->broadcast(t, o), t, async_of(o, 0));
+  return enqueue(c10d::OpType::BROADCAST, comm()->broadcast(t, o), t, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) {
-  return enqueue(c10d::OpType::ALLREDUCE, comm_->transport->allreduce(t, o), t, async_of(o, 0));
+  return enqueue(c10d::OpType::ALLREDUCE, comm()->allreduce(t, o), t, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::allreduce_coalesced(std::vector<at::Tensor>& t,
                                                                const c10d::AllreduceCoalescedOptions& o) {
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, comm_->transport->allreduce_coalesced(t, o), t, async_of(o, 0));
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, comm()->allreduce_coalesced(t, o), t, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) {
-  return enqueue(c10d::OpType::REDUCE, comm_->transport->reduce(t, o), t, async_of(o, 0));
+  return enqueue(c10d::OpType::REDUCE, comm()->reduce(t, o), t, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& o) {
   std::vector<at::Tensor> out;
   for (auto& slots : outputs) out.insert(out.end(), slots.begin(), slots.end());
-  return enqueue(c10d::OpType::ALLGATHER, comm_->transport->allgather(outputs, inputs, o), std::move(out),
+  return enqueue(c10d::OpType::ALLGATHER, comm()->allgather(outputs, inputs, o), std::move(out),
                  async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                            const c10d::AllgatherOptions& o) {
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, comm_->transport->_allgather_base(output, input, o), {output},
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, comm()->_allgather_base(output, input, o), {output},
                  async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::AllgatherOptions& o) {
-  return enqueue(c10d::OpType::COALESCED, comm_->transport->allgather_into_tensor_coalesced(outputs, inputs, o),
+  return enqueue(c10d::OpType::COALESCED, comm()->allgather_into_tensor_coalesced(outputs, inputs, o),
                  outputs, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& o) {
   std::vector<at::Tensor> out;
   for (auto& slots : outputs) out.insert(out.end(), slots.begin(), slots.end());
-  return enqueue(c10d::OpType::GATHER, comm_->transport->gather(outputs, inputs, o), std::move(out), async_of(o, 0));
+  return enqueue(c10d::OpType::GATHER, comm()->gather(outputs, inputs, o), std::move(out), async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::scatter(std::vector<at::Tensor>& outputs,
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& o) {
-  return enqueue(c10d::OpType::SCATTER, comm_->transport->scatter(outputs, inputs, o), outputs, async_of(o, 0));
+  return enqueue(c10d::OpType::SCATTER, comm()->scatter(outputs, inputs, o), outputs, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                           std::vector<std::vector<at::Tensor>>& inputs,
                                                           const c10d::ReduceScatterOptions& o) {
-  return enqueue(c10d::OpType::REDUCE_SCATTER, comm_->transport->reduce_scatter(outputs, inputs, o), outputs,
+  return enqueue(c10d::OpType::REDUCE_SCATTER, comm()->reduce_scatter(outputs, inputs, o), outputs,
                  async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::ReduceScatterOptions& o) {
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, comm_->transport->_reduce_scatter_base(output, input, o),
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, comm()->_reduce_scatter_base(output, input, o),
                  {output}, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::ReduceScatterOptions& o) {
-  return enqueue(c10d::OpType::COALESCED, comm_->transport->reduce_scatter_tensor_coalesced(outputs, inputs, o),
+  return enqueue(c10d::OpType::COALESCED, comm()->reduce_scatter_tensor_coalesced(outputs, inputs, o),
                  outputs, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -411,41 +422,43 @@ c10::intrusive_ptr<c10d::Work> NcclDouble::alltoall_base(at::Tensor& output, at:
                                                          std::vector<int64_t>& in_splits,
                                                          const c10d::AllToAllOptions& o) {
   return enqueue(c10d::OpType::ALLTOALL_BASE,
-                 comm_->transport->alltoall_base(output, input, out_splits, in_splits, o), {output}, async_of(o, 0));
+                 comm()->alltoall_base(output, input, out_splits, in_splits, o), {output}, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::allreduce_sparse(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) {
-  return enqueue(c10d::OpType::ALLREDUCE, comm_->transport->allreduce_sparse(t, o), t, async_of(o, 0));
+  return enqueue(c10d::OpType::ALLREDUCE, comm()->allreduce_sparse(t, o), t, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& o) {
   std::vector<at::Tensor> out;
   for (auto& slots : outputs) out.insert(out.end(), slots.begin(), slots.end());
-  return enqueue(c10d::OpType::ALLGATHER_COALESCED, comm_->transport->allgather_coalesced(outputs, inputs, o),
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, comm()->allgather_coalesced(outputs, inputs, o),
                  std::move(out), async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                     const c10d::AllToAllOptions& o) {
-  return enqueue(c10d::OpType::ALLTOALL, comm_->transport->alltoall(outputs, inputs, o), outputs, async_of(o, 0));
+  return enqueue(c10d::OpType::ALLTOALL, comm()->alltoall(outputs, inputs, o), outputs, async_of(o, 0));
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::recvAnysource(std::vector<at::Tensor>& t, int tag) {
-  return enqueue(c10d::OpType::RECVANYSOURCE, comm_->transport->recvAnysource(t, tag), t, true);
+  return enqueue(c10d::OpType::RECVANYSOURCE, comm()->recvAnysource(t, tag), t, true);
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::barrier(const c10d::BarrierOptions& o) {
   // ProcessGroupNCCL's barrier: a synchronous one blocks the host on the stream itself and hands
   // back no work; an asynchronous one's work blocks the host in its wait().
-  auto work = enqueue(c10d::OpType::BARRIER, comm_->transport->barrier(o), {}, true);
+  auto work = enqueue(c10d::OpType::BARRIER, comm()->barrier(o), {}, true);
   if (async_of(o, 0)) return work;
   while (!work->isCompleted()) std::this_thread::sleep_for(std::chrono::microseconds(200));
   return {};
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::send(std::vector<at::Tensor>& t, int dst, int tag) {
   // Point-to-point: asyncOp is not read (ProcessGroupNCCL::pointToPoint): a work always comes back.
-  return enqueue(c10d::OpType::SEND, comm_->transport->send(t, dst, tag), t, true);
+  return enqueue(c10d::OpType::SEND, comm()->send(t, dst, tag), t, true);
 }
 c10::intrusive_ptr<c10d::Work> NcclDouble::recv(std::vector<at::Tensor>& t, int src, int tag) {
-  return enqueue(c10d::OpType::RECV, comm_->transport->recv(t, src, tag), t, true);
+  return enqueue(c10d::OpType::RECV, comm()->recv(t, src, tag), t, true);
 }
+
+void NcclDouble::comm_error() { comm_->async_error.store(true); }
 
 void NcclDouble::abort() {
   aborts().fetch_add(1);

@@ -82,6 +82,9 @@ class NcclDouble : public c10d::Backend {
 
   FASTDIST_C10D_OPS
   void abort() override;
+  // An asynchronous error on the communicator (a peer's death NCCL noticed between ops): the
+  // watchdog's next round aborts it, as ProcessGroupNCCL's does with ncclCommGetAsyncError.
+  void comm_error();
   void shutdown() override {}
 
   // The double's CUDA event on the caller's current stream: a work that completes once every op
@@ -91,6 +94,7 @@ class NcclDouble : public c10d::Backend {
  private:
   // Queues an op that gloo runs as `moved` on the stream; its work, or none for a synchronous
   // op (or inside a coalesced batch, whose endCoalescing() hands back the batch's one work).
+  c10d::Backend* comm();  // the transport, as NCCLComm::getNcclComm: throws once aborted
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, c10::intrusive_ptr<c10d::Work> moved,
                                          std::vector<at::Tensor> result, bool async_op);
 
