@@ -180,6 +180,22 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::watch(const char* op, c10d::OpTyp
   return w;
 }
 
+// The inner backend threw as the op was issued, for a reason of the group's (not its arguments):
+// a fault of the group as a failed work would be, so that every caller gets fastdist's error
+// (a raw one would end a replacement that is receiving its state, say, instead of recovering).
+std::exception_ptr WatchedBackend::failed_at_issue(const char* op, std::uint64_t seq, Nanos start, Nanos deadline) {
+  FaultInfo fi;
+  fi.kind = FaultKind::kBackend;
+  fi.op = op;
+  fi.seq = seq;
+  fi.start = nanos_to_seconds(start);
+  fi.deadline = nanos_to_seconds(deadline);
+  fi.detail = what_of(std::current_exception());
+  fi.prev = ctl_->prev_of(seq);
+  fi.waiter = true;
+  return ctl_->fault(fi);
+}
+
 template <typename Opts, typename Issue>
 c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType type, const Opts& opts, Issue&& issue,
                                                    c10::ArrayRef<at::Tensor> ins) {
@@ -255,9 +271,15 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
     // stream) nor for an empty or synchronous coalesced batch: the op is watched through an
     // event recorded on that stream now, so that it is bounded all the same.
     if (!work) work = marker_ ? c10::intrusive_ptr<c10d::Work>::reclaim(marker_(*inner)) : stream_marker(*inner, ins);
-  } catch (...) {
-    ctl_->rollback(seq);  // refused by the backend (bad arguments): nothing was sent
-    throw;
+  } catch (const c10::Error& err) {
+    if (dynamic_cast<const c10::DistError*>(&err) == nullptr) {
+      ctl_->rollback(seq);  // refused by the backend (bad arguments): nothing was sent
+      throw;
+    }
+    std::rethrow_exception(failed_at_issue(op, seq, start, deadline));  // NCCL: its communicator aborted
+  } catch (const std::exception&) {
+    // gloo: a peer's connection closed before the op was issued (its pair throws at once).
+    std::rethrow_exception(failed_at_issue(op, seq, start, deadline));
   }
   return watch(op, type, seq, start, deadline, std::move(work), ins);
 }

@@ -373,3 +373,30 @@ def recover_again_after_a_failed_agreement(ctx) -> None:
     if attempts[-1]["ok"]:
         fastdist.all_reduce(t, timeout=20)
     ctx.record("attempts", attempts=attempts, value=t.item(), world_size=dist.get_world_size())
+
+
+def op_after_a_peer_left_between_ops(ctx) -> None:
+    """Rank 1 leaves (os._exit) between two ops; rank 0 issues a recv from it, then an all_reduce,
+    once gloo's connection to it has closed: the backend throws as the op is issued, and what
+    rank 0 sees must be fastdist's error, not gloo's."""
+    ctx.init()
+    dist.barrier()
+    if ctx.rank == 1:
+        ctx.record("leaving")
+        sys.stdout.flush()
+        os._exit(0)
+    time.sleep(1.5)  # gloo's pair has read the peer's close by now
+    for name, op in (
+        ("recv", lambda: dist.recv(torch.zeros(2), 1)),
+        ("all_reduce", lambda: dist.all_reduce(torch.ones(2))),
+    ):
+        try:
+            with fastdist.fail_after(10):
+                op()
+        except Exception as err:  # noqa: BLE001 - the test is which kind it is
+            ctx.record(
+                name,
+                kind=type(err).__name__,
+                fastdist=isinstance(err, fastdist.FastdistError),
+                message=str(err)[:400],
+            )

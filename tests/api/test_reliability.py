@@ -1,7 +1,8 @@
 """Defects found by a fault and bad-input sweep, each with its regression test: huge timeouts,
 non-contiguous tensors, op numbers that a refused call must not skew, the message of a call made
 after its deadline, two threads in blocking calls on one group, the engine's shutdown against
-stats(). (Ctrl-C in DDP's backward and in recv, and the exit after it: tests/groups/test_watched.py.)"""
+stats(), an op the backend fails as it is issued. (Ctrl-C in DDP's backward and in recv, and the
+exit after it: tests/groups/test_watched.py.)"""
 
 from __future__ import annotations
 
@@ -156,3 +157,17 @@ def test_recover_called_again_after_a_failed_agreement_succeeds_once_every_rank_
             assert [a["ok"] for a in attempts] == [False, True] and attempts[0]["missing"] == [2], info
         else:
             assert [a["ok"] for a in attempts] == [True], info
+
+
+def test_an_op_the_backend_fails_as_it_is_issued_raises_fastdists_error() -> None:
+    """gloo throws at once for a recv from a peer whose connection already closed (so does NCCL
+    for an op on a communicator its watchdog aborted): raised raw, it ended a replacement that was
+    receiving its state instead of letting it recover. It is a fault of the group, named."""
+    results = run_ranks(reliability_ranks.op_after_a_peer_left_between_ops, 2, timeout=60)
+    info = describe(results)
+    assert results[0].returncode == 0 and results[1].record("leaving"), info
+    for name in ("recv", "all_reduce"):
+        rec = results[0].record(name)
+        assert rec["fastdist"] and rec["kind"] == "GroupAbortedError", info
+        assert "rank 1 exited or was killed" in rec["message"], info
+    assert "recv #2 failed" in results[0].record("recv")["message"], info

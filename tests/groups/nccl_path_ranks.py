@@ -201,6 +201,36 @@ def torch_side_abort(ctx) -> None:
     ctx.record("recovered", elapsed=elapsed, value=t.item(), timeout=backend.inner.timeout)
 
 
+def comm_error_between_ops(ctx) -> None:
+    """NCCL notices a peer's death between two ops (an asynchronous error on the communicator,
+    none of fastdist's ops in flight); ProcessGroupNCCL's watchdog aborts the communicator, and
+    the next op throws as it is issued ("NCCL communicator was aborted"): fastdist raises its own
+    error for it, and recover() gives a working group."""
+    import fake_nccl
+
+    fake_nccl.register()
+    fake_nccl.configure(dump_sleep=0.2)
+    fastdist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1, timeout=30)
+    t = torch.ones(1)
+    fastdist.all_reduce(t, timeout=5)
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    backend.inner.comm_error()
+    time.sleep(0.5)  # the watchdog's round (100 ms) and its dump sleep
+    try:
+        with fastdist.fail_after(5):
+            dist.all_reduce(t)
+        ctx.record("issued")
+    except Exception as e:  # noqa: BLE001 - the test is which kind it is
+        ctx.record(
+            "failed", kind=type(e).__name__, fastdist=isinstance(e, fastdist.FastdistError), message=str(e)
+        )
+    ctx.record("torch_error", error=backend.inner.get_error())
+    fastdist.recover(timeout=10)
+    t = torch.tensor([3.0])
+    fastdist.all_reduce(t, timeout=5)
+    ctx.record("recovered", value=t.item())
+
+
 def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
 

@@ -66,6 +66,20 @@ def test_the_nccl_double_follows_torchs_contract_and_torch_ops_are_bounded() -> 
 
 
 @pytest.mark.timeout(90)
+def test_an_op_issued_on_a_communicator_the_watchdog_aborted_between_ops_raises_fastdists_error() -> None:
+    # As ProcessGroupNCCL: NCCLComm::getNcclComm throws DistBackendError on an aborted
+    # communicator as the op is issued. Raw, it was torch's error, not fastdist's.
+    results = run_ranks(nccl_path_ranks.comm_error_between_ops, 1, timeout=60)
+    info = describe(results)
+    r = results[0]
+    assert r.returncode == 0, info
+    failed = r.record("failed")
+    assert failed["fastdist"] and failed["kind"] == "GroupAbortedError", info
+    assert "NCCL communicator was aborted on rank 0" in failed["message"], info
+    assert r.record("torch_error")["error"] == 2, info  # c10d::ErrorType::COMM_ERROR
+    assert r.record("recovered")["value"] == 3.0, info
+
+
 def test_an_op_torchs_own_watchdog_aborted_fails_and_recovery_does_not_wait_for_it() -> None:
     # ProcessGroupNCCL's watchdog (its timeout, 1 s) aborts the communicator before
     # fastdist's deadline (6 s): the error is set on the watchdog's copy of the work, the caller's
