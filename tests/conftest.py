@@ -23,6 +23,8 @@ _LONGEST_FIRST = (
     "test_partitions_loss_and_a_flapping_link",
     "test_demo_names_the_stalled_rank",
     "test_trainer_fsdp2_under_torchrun",
+    "runs_as_written_on_two_ranks[hf-trainer]",
+    "runs_as_written_on_two_ranks[fabric-",
 )
 
 
