@@ -180,17 +180,17 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::watch(const char* op, c10d::OpTyp
   return w;
 }
 
-// The inner backend threw as the op was issued, for a reason of the group's (not its arguments):
-// a fault of the group as a failed work would be, so that every caller gets fastdist's error
-// (a raw one would end a replacement that is receiving its state, say, instead of recovering).
-std::exception_ptr WatchedBackend::failed_at_issue(const char* op, std::uint64_t seq, Nanos start, Nanos deadline) {
+// The op numbered `seq` failed on this rank before it was issued, or as it was: the group's
+// fault, raised on this thread (the others are told, as for a failed work).
+std::exception_ptr WatchedBackend::fault_at_issue(FaultKind kind, const char* op, std::uint64_t seq, Nanos start,
+                                                  Nanos deadline, std::string detail) {
   FaultInfo fi;
-  fi.kind = FaultKind::kBackend;
+  fi.kind = kind;
   fi.op = op;
   fi.seq = seq;
   fi.start = nanos_to_seconds(start);
   fi.deadline = nanos_to_seconds(deadline);
-  fi.detail = what_of(std::current_exception());
+  fi.detail = std::move(detail);
   fi.prev = ctl_->prev_of(seq);
   fi.waiter = true;
   return ctl_->fault(fi);
@@ -240,16 +240,8 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
     // The deadline passed before the op was issued: this rank skips it, so the group is out of
     // step. Say so, as for a timeout.
     const std::uint64_t seq = ctl_->begin(op, now, ins);
-    FaultInfo fi;
-    fi.kind = FaultKind::kTimeout;
-    fi.op = op;
-    fi.seq = seq;
-    fi.start = nanos_to_seconds(now);
-    fi.deadline = nanos_to_seconds(deadline);
-    fi.detail = "the deadline had passed before the call";
-    fi.prev = ctl_->prev_of(seq);
-    fi.waiter = true;
-    std::rethrow_exception(ctl_->fault(fi));
+    std::rethrow_exception(
+        fault_at_issue(FaultKind::kTimeout, op, seq, now, deadline, "the deadline had passed before the call"));
   }
   Opts o = opts;
   if (!ctl_->polled && deadline != kNever) {
@@ -276,10 +268,13 @@ c10::intrusive_ptr<c10d::Work> WatchedBackend::run(const char* op, c10d::OpType 
       ctl_->rollback(seq);  // refused by the backend (bad arguments): nothing was sent
       throw;
     }
-    std::rethrow_exception(failed_at_issue(op, seq, start, deadline));  // NCCL: its communicator aborted
-  } catch (const std::exception&) {
-    // gloo: a peer's connection closed before the op was issued (its pair throws at once).
-    std::rethrow_exception(failed_at_issue(op, seq, start, deadline));
+    // NCCL: its communicator was aborted (by its watchdog, say).
+    std::rethrow_exception(
+        fault_at_issue(FaultKind::kBackend, op, seq, start, deadline, err.what_without_backtrace()));
+  } catch (const std::exception& err) {
+    // gloo: a peer's connection closed before the op was issued (its pair throws at once). A
+    // raw error would end a replacement that is receiving its state, say, instead of recovering.
+    std::rethrow_exception(fault_at_issue(FaultKind::kBackend, op, seq, start, deadline, err.what()));
   }
   return watch(op, type, seq, start, deadline, std::move(work), ins);
 }

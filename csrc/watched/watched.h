@@ -397,7 +397,8 @@ class WatchedBackend : public c10d::Backend {
   template <typename Issue>
   c10::intrusive_ptr<c10d::Work> run_plain(const char* op, c10d::OpType type, Issue&& issue,
                                            c10::ArrayRef<at::Tensor> ins = {});
-  std::exception_ptr failed_at_issue(const char* op, std::uint64_t seq, Nanos start, Nanos deadline);
+  std::exception_ptr fault_at_issue(FaultKind kind, const char* op, std::uint64_t seq, Nanos start, Nanos deadline,
+                                    std::string detail);
   c10::intrusive_ptr<c10d::Work> watch(const char* op, c10d::OpType type, std::uint64_t seq, Nanos start,
                                        Nanos deadline, c10::intrusive_ptr<c10d::Work> inner,
                                        c10::ArrayRef<at::Tensor> ins);
