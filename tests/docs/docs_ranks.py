@@ -298,11 +298,10 @@ def _hf_trainer(ns: dict[str, Any]) -> None:
 
 
 def _trained(ns: dict[str, Any]) -> dict[str, Any]:
-    """The loop ran its steps; the parameters' sum (equal on every rank under DDP)."""
+    """The loop ran its steps; the parameters' sum (whole under FSDP2: equal on every rank)."""
     step = ns["progress"].step if "progress" in ns else ns["step"]
     assert step == ns["steps"], step
-    model = ns["model"]
-    return {"step": step, "params": float(sum(p.detach().sum() for p in model.parameters()))}
+    return {"step": step, "params": _sum(ns["model"])}
 
 
 def _gathered(ns: dict[str, Any], key: str = "out_list") -> dict[str, Any]:
@@ -356,11 +355,6 @@ def _fabric_trained(ns: dict[str, Any]) -> dict[str, Any]:
     return {"step": ns["i"] + 1, "params": _sum(ns["model"])}
 
 
-def _fabric_fsdp2_trained(ns: dict[str, Any]) -> dict[str, Any]:
-    assert ns["progress"].step == ns["steps"]
-    return {"step": ns["progress"].step, "params": _sum(ns["model"])}
-
-
 def _trainer_trained(ns: dict[str, Any]) -> dict[str, Any]:
     assert ns["trainer"].state.global_step > 0, ns["trainer"].state
     return {"step": ns["trainer"].state.global_step, "params": _sum(ns["model"])}
@@ -368,12 +362,6 @@ def _trainer_trained(ns: dict[str, Any]) -> dict[str, Any]:
 
 def _grad(ns: dict[str, Any]) -> dict[str, Any]:
     return {"grad": ns["grad"].tolist()}
-
-
-def _fsdp2_trained(ns: dict[str, Any]) -> dict[str, Any]:
-    assert ns["progress"].step == ns["steps"]
-    full = [p.full_tensor() for p in ns["model"].parameters()]
-    return {"step": ns["progress"].step, "params": float(sum(p.sum() for p in full))}
 
 
 # name -> (setup, check): the examples that run here as written.
@@ -393,12 +381,12 @@ SETUPS: dict[
     "replacement-ddp-loop": (_ddp_loop, _trained),
     "replacement-progress": (None, _progress),
     "replacement-grow": (_grow, _trained),
-    "snapshots-fsdp2": (_fsdp2, _fsdp2_trained),
-    "snapshots-checkpoint": (_fsdp2_restarted, _fsdp2_trained),
+    "snapshots-fsdp2": (_fsdp2, _trained),
+    "snapshots-checkpoint": (_fsdp2_restarted, _trained),
     "accelerate-loop": (_accelerate, _gathered_losses),
     "accelerate-windows": (_accelerate_windows, _windows),
     "fabric-loop": (_fabric, _fabric_trained),
-    "fabric-fsdp2": (_fabric_fsdp2, _fabric_fsdp2_trained),
+    "fabric-fsdp2": (_fabric_fsdp2, _trained),
     "hf-trainer": (_hf_trainer, _trainer_trained),
 }
 # The processes an example needs, where not two: Fabric's devices=3.
