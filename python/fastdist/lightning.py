@@ -78,7 +78,7 @@ import torch
 from .deadlines import fail_after
 from .diagnostics import uncaught
 from .process_group import init_process_group
-from .recovery import joining
+from .recovery import joining, snapshot
 from .recovery.growing import sync_state
 from .steps import StepStart, check_retries, positive_seconds, redo_after_fault, snapshot_at_start
 
@@ -142,8 +142,10 @@ class _Bounded:
 
     def _catching_up(self) -> bool:
         """On a replacement until it joins: its groups are local, and a broadcast from another
-        rank would give garbage (an object's size)."""
-        return joining.is_pending()
+        rank would give garbage (an object's size); and after it rolled back behind the live ranks
+        (a death in a step-start snapshot's exchange), until it is at their step: they ran the
+        collectives of the steps between before the death."""
+        return joining.is_pending() or snapshot.catching_up()
 
     def _bounded(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         if self._catching_up():

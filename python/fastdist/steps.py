@@ -140,12 +140,16 @@ def redo_after_fault(
     ``state`` taken at this step's start (a replacement of a dead rank then gets its shards)."""
     failures = 0
     take = getattr(on_retry, "take", None)  # a step's snapshot of its start: part of the attempt
+    finished = getattr(on_retry, "done", None)
     while True:
         try:
             if take is not None:
-                take()
+                take(start)
             with start:
-                return attempt(), failures
+                result = attempt()
+            if finished is not None:
+                finished(attempt, start)
+            return result, failures
         except FastdistError as err:
             failures += 1
             if start.updates:
@@ -193,20 +197,78 @@ def _recover_again_after_handover_faults(
 class _SnapshotAtStart:
     """A step's snapshot of its start (see :func:`snapshot_at_start`): :meth:`take` before each
     attempt, inside ``redo_after_fault``'s retry (a rank dying in the exchange is one more fault);
-    called after a recovery, the check that it rolled back to this step's start if at all."""
+    called after a recovery, the check of where it rolled back to: this step's start (the step is
+    redone), the previous step's (a rank died in this step's exchange before its copy left: the
+    previous step is redone first, with the replacement, see :meth:`_redo_previous`), or further
+    back (:class:`~fastdist.RecoveryError`: the loop cannot go back)."""
 
     def __init__(self, snapshot: PeerSnapshot, step: int) -> None:
         self.snapshot, self.step = snapshot, step
+        self._redo_pending = False
 
-    def take(self) -> None:
+    def take(self, start: StepStart | None = None) -> None:
+        snap = self.snapshot
+        if snap.catch_up_to is not None and self.step >= snap.catch_up_to:
+            snap.catch_up_to = None  # a replacement that rolled back is where the live ranks are
+        if self._redo_pending:
+            self._redo_previous(start)
         # Not again where it is the latest already (a replacement joining the live ranks' redo
         # of this step restored it, or a recovery rolled back to it and took it afresh).
-        if self.snapshot.sharded and self.step != self.snapshot.latest():
-            self.snapshot.take(self.step)
+        if snap.sharded and self.step != snap.latest():
+            snap.take(self.step)
+
+    def done(self, attempt: Callable[[], Any], start: StepStart) -> None:
+        """The step is done: kept (with what it began with) until the next is, to be redone if a
+        death in the next step's exchange rolls the job back to this step's start."""
+        self.snapshot.previous = (self.step, attempt, start)
+
+    def _redo_previous(self, start: StepStart | None) -> None:
+        """The recovery rolled every rank back to the previous step's start (its snapshot): the
+        replacement redoes that step from it, and so do the live ranks here, with the attempt they
+        kept and what it began with, so that every collective of it has its peer. Then each live
+        rank loads back its own copy of this step's start (its state never changed: the redo only
+        gave the replacement its shards) and the attempt's start, and this step goes on."""
+        snap = self.snapshot
+        assert snap.previous is not None
+        _, attempt, previous_start = snap.previous
+        own = snap.own_at(self.step)
+        if own is None:
+            raise RecoveryError(
+                group="default",
+                rank=snap.rank,
+                generation=-1,
+                reason=f"this rank holds no copy of its state at step {self.step}'s start",
+                missing_ranks=None,
+                retryable=False,
+            )
+        previous_start.restore()
+        with previous_start:
+            attempt()
+        self._redo_pending = False
+        snap.load(own)
+        snap.restored_step = None
+        if start is not None:
+            start.restore()
+        log.warning(
+            "fastdist: rank %d redid step %d with the replacement (a death in the exchange of step %d's "
+            "snapshot rolled the job back to step %d's start), and goes on with step %d",
+            snap.rank,
+            self.step - 1,
+            self.step,
+            self.step - 1,
+            self.step,
+        )
 
     def __call__(self) -> None:
         restored = self.snapshot.restored_step
-        if restored is None or restored == self.step:
+        if restored is None:  # nothing rolled back (a stall): a redo of the previous step still pending stays
+            return
+        if restored == self.step:
+            self._redo_pending = False
+            return
+        previous = self.snapshot.previous
+        if restored == self.step - 1 and previous is not None and previous[0] == restored:
+            self._redo_pending = True  # done first thing in the next attempt (a fault there: one more)
             return
         raise RecoveryError(
             group="default",
@@ -214,9 +276,9 @@ class _SnapshotAtStart:
             generation=-1,
             reason=(
                 f"the recovery rolled back to the snapshot of step {restored}, and the loop is at step "
-                f"{self.step}: a rank died before its copy of this step's start reached the rank that "
-                "keeps it (the snapshot's exchange was cut short), so that state exists nowhere. "
-                "Restart the job from a checkpoint (fastdist.load_checkpoint)"
+                f"{self.step}: only the previous step's start, whose step this rank did with the same "
+                "snapshot, can be redone in place. Restart the job from a checkpoint "
+                "(fastdist.load_checkpoint)"
             ),
             missing_ranks=None,
             retryable=False,
@@ -297,7 +359,10 @@ def run_step(
     ``step_number``, the step's number (the same on every rank, one more each step): the snapshot
     of the step's start is taken here before the step runs, so that a replacement of a dead rank
     gets its predecessor's shards and every rank redoes the step from its start (a replacement
-    joining that redo skips the snapshot: it restored it)::
+    joining that redo skips the snapshot: it restored it). A rank that dies in that exchange
+    before its own copy left rolls every rank back to the previous step's start: the replacement
+    redoes that step in its loop, the live ranks here with the attempt they kept from it, then put
+    their own state back and go on with this step (docs/snapshots.md)::
 
         snap = fastdist.PeerSnapshot(state, every=1, copies=1)
         fastdist.sync_state(state, snapshot=snap)

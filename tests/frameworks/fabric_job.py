@@ -20,8 +20,11 @@ masks. Runs ``undisturbed`` and ``killed`` (a replacement skips the runs its ran
 ``fully_shard`` in its ``parallelize_fn``) and a ``fastdist.PeerSnapshot`` of each step's start
 taken by ``run_step``: the replacement gets its predecessor's shards from the copy rank 0 holds,
 every rank redoes window 3 from its start; rank 1 then stalls 3 s in window 6 (a recovery that
-rolls nothing back). The killed run comes first, so that every process (the replacement too)
-makes the same groups (each PeerSnapshot makes one).
+rolls nothing back), dies in the exchange of window 9's snapshot after its copy left (window 9 is
+redone), and rank 2 dies in window 12's before its copy left (every rank rolls back to window 11's
+start and redoes it with the replacement, the live ranks' own state put back after it). The killed
+run comes first, so that every process (the replacement too) makes the same groups (each
+PeerSnapshot makes one).
 """
 
 from __future__ import annotations
@@ -37,11 +40,14 @@ import fastdist.lightning
 import torch
 import torch.nn.functional as F
 from fastdist.examples.train_ddp import Progress
-from jobs_common import result
+from jobs_common import die_in_snapshot_exchanges, result
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 STALL_RANK, STALL_STEP, STEPS, ACCUM = 2, 3, 20, 2
+# --kill --fsdp2: rank 1 dies in the exchange of window 9's snapshot after its copy left (window 9
+# is redone), rank 2 in window 12's before its copy left (every rank redoes window 11, then 12).
+EXCHANGE_AFTER, EXCHANGE_BEFORE = 9, 12
 
 
 def train(fabric: Fabric, stall: float) -> dict[str, Any]:
@@ -170,6 +176,9 @@ def main() -> None:
     fabric.launch()
     if args.fsdp2:
         marker = os.path.join(args.out, ".killed")
+        if args.kill:  # and two deaths in the exchanges of step-start snapshots, in the killed run
+            after, before = marker + "-after-copy", marker + "-before-copy"
+            die_in_snapshot_exchanges([(EXCHANGE_AFTER, 1, False, after), (EXCHANGE_BEFORE, 2, True, before)])
         for run in ("killed", "undisturbed"):  # killed first: the same groups on every process
             path = os.path.join(args.out, f"rank{fabric.global_rank}-{run}.pt")
             torch.save(train_windows(fabric, marker if run == "killed" else None, fsdp2=True), path)

@@ -18,7 +18,9 @@ Without dropout: a replacement cannot draw the masks the dead rank would have. W
 the strategy keeps a copy of each rank's shards on another rank (``snapshot_copies=1``), taken at
 every optimizer step's start, which the replacement gets. ``--in-snapshot`` (with ``--fsdp2``):
 rank 2 dies inside the exchange of that snapshot at step 7's start instead, after its copy was
-sent and its neighbours' received, as it enters the exchange's closing barrier.
+sent and its neighbours' received, as it enters the exchange's closing barrier; then rank 1 dies
+in the exchange of step 12's snapshot before its copy left: every rank rolls back to step 11's
+start and redoes step 11 with the replacement (tests/frameworks/jobs_common.py).
 
     python -m fastdist.run --nproc-per-node 3 tests/frameworks/lightning_job.py --out DIR --accum 1 2 --kill
 """
@@ -35,10 +37,12 @@ import fastdist.lightning
 import lightning as L
 import torch
 import torch.nn.functional as F
+from jobs_common import die_in_snapshot_exchanges
 from torch.utils.data import DataLoader, TensorDataset
 
 STALL_RANK, STALL_STEP = 2, 3
 KILL_STEP = 7  # with --kill: in the second epoch (5 optimizer steps an epoch)
+EXCHANGE_STEP = 12  # with --in-snapshot: rank 1 dies there before its copy left (a roll-back)
 
 
 class Net(L.LightningModule):
@@ -86,29 +90,6 @@ class Net(L.LightningModule):
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def die_in_the_snapshot_exchange(marker: str) -> None:
-    """Rank 2 SIGKILLs itself in the exchange of step KILL_STEP's snapshot (once: ``marker``),
-    after its part completed (its copy sent, its neighbours' received), at the closing barrier."""
-    from fastdist.recovery.snapshot import PeerSnapshot
-
-    real = PeerSnapshot._post
-
-    def _post(self: Any, epoch: int) -> Any:
-        post = real(self, epoch)
-
-        def dying(issue: Any) -> Any:
-            pending = self._pending
-            if pending and pending[0] == KILL_STEP and self.rank == 2 and not os.path.exists(marker):
-                open(marker, "w").close()
-                time.sleep(0.5)  # (its sends drain)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return post(issue)
-
-        return dying
-
-    PeerSnapshot._post = _post  # type: ignore[method-assign]
 
 
 def data(n: int, seed: int, shuffle: bool = False) -> DataLoader:
@@ -197,7 +178,9 @@ def main() -> None:
             ):
                 continue  # a replacement: this rank's earlier process finished that fit
             if marker and args.in_snapshot and stall:  # the disturbed fit only
-                die_in_the_snapshot_exchange(marker)
+                die_in_snapshot_exchanges(
+                    [(KILL_STEP, 2, False, marker), (EXCHANGE_STEP, 1, True, marker + "-before-copy")]
+                )
             result = fit(accum, stall, args.steps, args.fsdp2, marker)
             path = os.path.join(args.out, f"rank{result['rank']}-accum{accum}-{run}.pt")
             torch.save(result, path)

@@ -347,14 +347,20 @@ def _roll_back(
     gathered: list[Any] = [None] * st.size
     try:
         with fail_at(deadline):
-            dist.all_gather_object(gathered, snapshot.holdings(), group=pg)
+            dist.all_gather_object(gathered, (snapshot.holdings(), snapshot.redoing_at()), group=pg)
     except FastdistError as exc:
         raise fail(f"agreeing on a snapshot failed: {exc}") from None
     live = [r for r in range(st.size) if r not in joiners]
-    everyone = gathered
+    everyone = [held for held, _ in gathered]
     target = newest_covering(everyone, joiners)
     if target is None:
-        raise fail(_no_snapshot(snapshot, joiners, gathered))
+        raise fail(_no_snapshot(snapshot, joiners, everyone))
+    # Where run_step's live ranks are (a step-start snapshot's exchange the death cut short): a
+    # joiner that rolls back behind them catches up to that step, its loop's framework
+    # collectives local meanwhile (the live ranks ran theirs before the death).
+    at = [a for r, (_, a) in enumerate(gathered) if r in live and a is not None]
+    if me in joiners and at and max(at) > target:
+        snapshot.catch_up_to = max(at)
     try:
         received = None
         for j in joiners:

@@ -45,6 +45,14 @@ logger = logging.getLogger("fastdist")
 _live: weakref.WeakSet[PeerSnapshot] = weakref.WeakSet()
 
 
+def catching_up() -> bool:
+    """Whether this process replaced a dead rank whose death cut a step-start snapshot's exchange
+    short, and still redoes the steps between the snapshot it rolled back to and the live ranks'
+    step: the collectives a loop issues between those steps (Fabric's ``all_reduce`` of a loss)
+    ran on the live ranks before the death, so a framework's own ones are local meanwhile."""
+    return any(snap.catch_up_to is not None for snap in list(_live))
+
+
 class _Halted(Exception):
     pass
 
@@ -294,6 +302,15 @@ class PeerSnapshot:
         self._epoch = 0  # bumped by halt(): an exchange of an older epoch issues nothing more
         self._thread: threading.Thread | None = None
         self.restored_step: int | None = None
+        # The step of the last snapshot this rank began, and its own copy then (the state at that
+        # step's start, kept until the next: a roll-back past it loads it back after the redo).
+        self.at: int | None = None
+        self._own_at: dict[str, Any] | None = None
+        # On a replacement that rolled back behind the live ranks: their step, until it gets there.
+        self.catch_up_to: int | None = None
+        # run_step's last step done with this snapshot: (step, attempt, its StepStart), redone
+        # when a death in the next step's exchange rolls the job back to that step's start.
+        self.previous: tuple[int, Any, Any] | None = None
         self.taken = 0
         self.error: BaseException | None = None  # why the last exchange failed, if it did
         if self.sharded:
@@ -347,6 +364,8 @@ class PeerSnapshot:
         with self._lock:
             epoch = self._epoch
             self._pending = None
+            if self.at is None or step > self.at:  # (a roll-back's retake of an older step: not moved back)
+                self.at, self._own_at = step, own
         if not background:
             self._exchange(step, own, deadline, epoch)
             return
@@ -454,6 +473,20 @@ class PeerSnapshot:
         none)."""
         with self._lock:
             return self._all()[step][rank]
+
+    def redoing_at(self) -> int | None:
+        """The step run_step is at on this rank, when a roll-back to the start of the step before
+        it would be redone there (it did that step with this snapshot, and began this one's)."""
+        with self._lock:
+            if self.previous is not None and self.at is not None and self.previous[0] == self.at - 1:
+                return self.at
+            return None
+
+    def own_at(self, step: int) -> dict[str, Any] | None:
+        """This rank's own copy of ``state`` at ``step``'s start, if the last snapshot it began
+        was of that step (whether or not its exchange completed)."""
+        with self._lock:
+            return self._own_at if self.at == step else None
 
     def load(self, dicts: Mapping[str, Any]) -> None:
         """Loads a snapshot's state dicts (this rank's own, or its predecessor's) into ``state``."""
