@@ -114,6 +114,22 @@ def check_release() -> None:
 _BEST = ("best_metric", "best_global_step", "best_model_checkpoint")
 
 
+def _check_distributed(args: Any) -> None:
+    """Refuses TrainingArguments that run this process alone in a job of several: on CPU the
+    Trainer trains distributed only with ``use_cpu=True``, and otherwise each process trains a model
+    of its own (world size 1, every one writing the same output folder), silently."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    if getattr(args, "world_size", None) == 1:
+        raise ValueError(
+            f"args: this process is rank {dist.get_rank()} of a job of {dist.get_world_size()}, but the "
+            "TrainingArguments run it alone (world size 1): each process would train its own model. On "
+            "CPU pass TrainingArguments(use_cpu=True, ...); on GPUs launch with fastdist run or torchrun"
+        )
+
+
 def _plain(value: Any) -> Any:
     """A one-element tensor (a grad norm, a metric) as the number it holds, for JSON."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -196,6 +212,7 @@ class Trainer(_hf.Trainer):
         self._synced = False
         self._progress = _Progress(self)
         super().__init__(*args, **kwargs)
+        _check_distributed(self.args)
 
     # -- the state a replacement is handed --------------------------------------------------
     def fastdist_state(self) -> dict[str, Any]:

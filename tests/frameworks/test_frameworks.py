@@ -344,11 +344,30 @@ def accelerator_alone(ctx: Any) -> None:
         ctx.record("refused", message=str(err), calls=len(calls), processes=accelerator.num_processes)
 
 
+def trainer_alone(ctx: Any) -> None:
+    """Rank code: a 2-rank job whose TrainingArguments are made for GPUs (no use_cpu=True) on this
+    CPU machine: the Trainer would run each process alone (world size 1)."""
+    import os
+    import tempfile
+
+    import fastdist.transformers
+    import transformers
+
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank))
+    fastdist.transformers.init_process_group()
+    args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], max_steps=1)
+    try:
+        fastdist.transformers.Trainer(model=torch.nn.Linear(4, 1), args=args, step_timeout=10)
+    except ValueError as err:
+        ctx.record("refused", message=str(err), world=args.world_size)
+
+
 @pytest.mark.timeout(60)
 def test_an_accelerator_that_runs_each_process_alone_is_refused_at_its_first_step() -> None:
     """Without cpu=True Accelerate leaves each CPU process of a distributed job to train alone
     (no all-reduce, every model different) and says nothing: fastdist.accelerate.step refuses
-    before the step runs, naming the fix."""
+    before the step runs, naming the fix; so does the Trainer without use_cpu=True, as
+    fastdist.transformers.Trainer is made."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     results = run_ranks(accelerator_alone, 2, timeout=50, env=env)
     for r in results:
@@ -356,6 +375,14 @@ def test_an_accelerator_that_runs_each_process_alone_is_refused_at_its_first_ste
         assert refused["processes"] == 1 and refused["calls"] == 0, describe(results)
         assert f"rank {r.rank} of a job of 2" in refused["message"], refused
         assert "Accelerator(cpu=True" in refused["message"], refused
+    # The Hugging Face Trainer, the same mistake: refused as the Trainer is made.
+    env["MASTER_PORT"] = str(free_port())
+    results = run_ranks(trainer_alone, 2, timeout=50, env=env)
+    for r in results:
+        refused = r.record("refused")
+        assert refused["world"] == 1, describe(results)
+        assert f"rank {r.rank} of a job of 2" in refused["message"], refused
+        assert "TrainingArguments(use_cpu=True" in refused["message"], refused
 
 
 @pytest.mark.timeout(60)
@@ -458,31 +485,41 @@ def test_fabric_loop_under_fastdist_run_replaces_a_killed_worker(tmp_path: Path)
     _check_replaced_loop(out, _launch(_fastdist_run("fabric_job.py", out, "--kill"), 100))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(160)
 def test_fabric_fsdp2_under_fastdist_run_replaces_a_killed_worker_from_a_snapshot(tmp_path: Path) -> None:
     """FabricModelParallelStrategy (FSDP2), one run_step per window with snapshot= and
     step_number=: rank 2 SIGKILLed in window 3, its replacement gets its shards from the copy of
     the step's start another rank holds, every rank redoes window 3; then rank 1 stalls in window
     6 and the recovery rolls nothing back (a roll-back of step 3 remembered there would end the
-    job with RuntimeError). Equal to an undisturbed run (the same processes, run after it)."""
+    job with RuntimeError); rank 1 dies in the exchange of window 9's snapshot after its copy left
+    (window 9 redone from its start); rank 2 dies in window 12's before its copy left: every rank
+    rolls back to window 11's start (the newest whole snapshot), the live ranks redo window 11
+    with the replacement and put their own state back, and window 12 goes on (it ended the job
+    with RecoveryError before). Equal to an undisturbed run (the same processes, run after it)."""
     out = tmp_path / "out"
     out.mkdir()
-    text = _launch(_fastdist_run("fabric_job.py", out, "--kill", "--fsdp2"), 100)
+    text = _launch(_fastdist_run("fabric_job.py", out, "--kill", "--fsdp2"), 130)
     started = _replacements(text)
-    assert len(started) == 1 and "rank 2:" in started[0], text[-4000:]
+    assert len(started) == 3 and ["rank 2:" in s for s in started] == [True, False, True], text[-4000:]
     assert "rank 1 never arrived" in text, text[-4000:]  # the stall was real
+    assert "redid step 11 with the replacement" in text, text[-4000:]  # the roll-back was real
     ref = torch.load(out / "rank0-undisturbed.pt", weights_only=False)
     for rank in range(3):
         clean = torch.load(out / f"rank{rank}-undisturbed.pt", weights_only=False)
         got = torch.load(out / f"rank{rank}-killed.pt", weights_only=False)
-        # The live ranks never restarted; the replacement joined at window 3.
-        assert got["joined"] == (3 if rank == 2 else None), (rank, got["joined"])
+        # The live ranks never restarted; rank 1's last process joined at window 9 (its step's
+        # start), rank 2's at window 11 (the roll-back).
+        assert got["joined"] == {0: None, 1: 9, 2: 11}[rank], (rank, got["joined"])
         assert got["world"] == 3 and got["optimizer_steps"] == clean["optimizer_steps"] == 20, rank
         assert _largest_difference(ref, clean) <= 1e-6 and _largest_difference(ref, got) <= 1e-6, rank
         assert got["lr"] == clean["lr"], rank
         skipped = got["joined"] or 0
         assert len(got["losses"]) == 20 - skipped, rank
-        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"][skipped:])) <= 1e-6, rank
+        # (A replacement that rolled back reduces the loss of the step it redoes alone: the live
+        # ranks reduced theirs before the death.)
+        own = 1 if rank == 2 else 0
+        losses = zip(got["losses"][own:], ref["losses"][skipped + own :])
+        assert max(abs(a - b) for a, b in losses) <= 1e-6, rank
 
 
 @pytest.mark.timeout(150)
