@@ -28,7 +28,28 @@ _LONGEST_FIRST = (
 )
 
 
+# The tests that start a training framework (Lightning, Fabric, Accelerate, the Hugging Face
+# Trainer) or run torch's own distributed suite: marked `frameworks`, they are a step of their own
+# (make test-frameworks, which .ci/run runs after make test on every submission), so that make test
+# stays inside its cap on 2 cores. Nothing is dropped: `pytest` alone still runs them all.
+_FRAMEWORK_FOLDERS = ("tests/frameworks/", "tests/torch_suite/")
+_FRAMEWORK_EXAMPLES = ("[accelerate-", "[fabric-", "[hf-", "[lightning-")
+
+
+def _starts_a_framework(item: object) -> bool:
+    node = str(getattr(item, "nodeid", ""))
+    return node.startswith(_FRAMEWORK_FOLDERS) or (
+        node.startswith("tests/docs/") and any(key in node for key in _FRAMEWORK_EXAMPLES)
+    )
+
+
 def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
+    import pytest
+
+    for item in items:
+        if _starts_a_framework(item):
+            item.add_marker(pytest.mark.frameworks)
+
     def rank(item: object) -> int:
         node = str(getattr(item, "nodeid", ""))
         return next((i for i, key in enumerate(_LONGEST_FIRST) if key in node), len(_LONGEST_FIRST))
