@@ -154,17 +154,26 @@ def _check_distributed(accelerator: Any) -> None:
     """Refuses an accelerator that runs this process alone in a job of several: Accelerate makes
     a CPU job distributed only with ``Accelerator(cpu=True)`` and otherwise leaves each process to
     train on its own (no all-reduce, every loader unsharded, every model different), silently."""
+    _refuse_alone(
+        "accelerator",
+        getattr(accelerator, "num_processes", None),
+        f"the Accelerator runs it alone (distributed_type {getattr(accelerator, 'distributed_type', '?')})",
+        "On CPU make it with Accelerator(cpu=True, ...)",
+    )
+
+
+def _refuse_alone(argument: str, processes: object, how: str, fix: str) -> None:
+    """``ValueError`` naming ``argument`` when a framework object says it runs ``processes`` == 1
+    process (``how``, in words) while this process is one rank of a distributed job of several:
+    each process would train its own model, silently. ``fix``: what to pass on CPU."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or processes != 1:
         return
-    if getattr(accelerator, "num_processes", None) == 1:
-        raise ValueError(
-            f"accelerator: this process is rank {dist.get_rank()} of a job of {dist.get_world_size()}, "
-            "but the Accelerator runs it alone (distributed_type "
-            f"{getattr(accelerator, 'distributed_type', '?')}): each process would train its own model. "
-            "On CPU make it with Accelerator(cpu=True, ...); on GPUs launch with fastdist run or torchrun"
-        )
+    raise ValueError(
+        f"{argument}: this process is rank {dist.get_rank()} of a job of {dist.get_world_size()}, but "
+        f"{how}: each process would train its own model. {fix}; on GPUs launch with fastdist run or torchrun"
+    )
 
 
 # The prepared loaders whose missing LoaderState was said (once per loader and process).

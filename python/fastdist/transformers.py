@@ -55,7 +55,9 @@ try:
 except ImportError as exc:  # pragma: no cover - the error says what to install
     raise ImportError("fastdist.transformers needs transformers: pip install 'transformers>=5,<6'") from exc
 
+from .accelerate import _refuse_alone
 from .accelerate import init_process_group as _accelerate_init
+from .errors import FastdistError
 from .recovery.growing import sync_state
 from .steps import check_retries, positive_seconds, run_step
 
@@ -118,16 +120,12 @@ def _check_distributed(args: Any) -> None:
     """Refuses TrainingArguments that run this process alone in a job of several: on CPU the
     Trainer trains distributed only with ``use_cpu=True``, and otherwise each process trains a model
     of its own (world size 1, every one writing the same output folder), silently."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    if getattr(args, "world_size", None) == 1:
-        raise ValueError(
-            f"args: this process is rank {dist.get_rank()} of a job of {dist.get_world_size()}, but the "
-            "TrainingArguments run it alone (world size 1): each process would train its own model. On "
-            "CPU pass TrainingArguments(use_cpu=True, ...); on GPUs launch with fastdist run or torchrun"
-        )
+    _refuse_alone(
+        "args",
+        getattr(args, "world_size", None),
+        "the TrainingArguments run it alone (world size 1)",
+        "On CPU pass TrainingArguments(use_cpu=True, ...)",
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -355,6 +353,26 @@ class Trainer(_hf.Trainer):
         hf.optimizer.step()
         self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
         return losses, grad_norm, self._get_learning_rate()  # (before the scheduler's step)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's save, then a barrier: a rank that dies while the checkpoint is written
+        (rank 0 writes most of it) fails the step it is saved in, which is redone (the
+        replacement writes its part again), so a checkpoint folder is never left half-written
+        looking like a good one."""
+        import torch.distributed as dist
+
+        try:
+            super()._save_checkpoint(model, trial)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()  # bounded by the step's deadline (the default group is watched)
+        except FastdistError as err:
+            log.warning(
+                "fastdist: the checkpoint of step %d was cut short (%s): it is saved again as the step "
+                "is redone, so that it is whole",
+                self.state.global_step,
+                str(err).splitlines()[0],
+            )
+            raise
 
     def _after_update(
         self, model: Any, trial: Any, epoch: int, ignore_keys_for_eval: Any, start_time: float, where: str

@@ -18,6 +18,8 @@ parameters and momentum equal (within 1e-6) to an undisturbed run in the same pr
 from __future__ import annotations
 
 import datetime
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -523,36 +525,52 @@ def test_fabric_fsdp2_under_fastdist_run_replaces_a_killed_worker_from_a_snapsho
 
 
 @pytest.mark.timeout(150)
-def test_hugging_face_trainer_survives_a_stall_and_two_deaths_equal_to_an_undisturbed_run(
+def test_hugging_face_trainer_survives_a_stall_and_three_deaths_equal_to_an_undisturbed_run(
     tmp_path: Path,
 ) -> None:
     """fastdist.transformers.Trainer (a tiny GPT-2 from its config, accumulation 2, a linear LR
     schedule, the Trainer's shuffled sampler, logging, evaluation and saving) under fastdist run:
     rank 1 stalls in step 3 (recovered in place, the step redone once), rank 2 is SIGKILLed in step
     6 and its replacement SIGKILLed in the evaluation after step 8 (the second replacement joins
-    the live ranks' redo of that evaluation). Every rank ends with the parameters and momentum of
+    the live ranks' redo of that evaluation), and rank 0 inside the save of step 10's checkpoint
+    (the live ranks' barrier after the save fails; the saving is redone with rank 0's
+    replacement, and the checkpoint loads, whole: it was left without its RNG states and the
+    Trainer's state before). Every rank ends with the parameters and momentum of
     an undisturbed run (0.0: the same reduction order) and the same evaluations."""
     out = tmp_path / "out"
     out.mkdir()
     text = _launch(_fastdist_run("trainer_job.py", out), 140)
     started = _replacements(text)
-    assert len(started) == 2 and all("rank 2:" in s for s in started), text[-4000:]
+    assert [re.search(r"rank (\d+): replacement", s).group(1) for s in started] == ["2", "2", "0"], text[
+        -4000:
+    ]
     assert "rank 1 never arrived" in text, text[-4000:]  # the stall was real
+    assert "the checkpoint of step 10 was cut short" in text, text[-4000:]  # rank 0 died in the save
     for rank in range(3):
         clean = torch.load(out / f"rank{rank}-undisturbed.pt", weights_only=False)
         got = torch.load(out / f"rank{rank}-faulted.pt", weights_only=False)
-        assert got["joined"] == (8 if rank == 2 else None), (rank, got["joined"])
-        assert (got["pid"] == clean["pid"]) == (rank != 2), rank  # the live ranks never restarted
+        assert got["joined"] == {0: 10, 1: None, 2: 8}[rank], (rank, got["joined"])
+        assert (got["pid"] == clean["pid"]) == (rank == 1), rank  # the live ranks never restarted
         assert got["world"] == 3 and got["optimizer_steps"] == clean["optimizer_steps"] == 10, rank
         assert _largest_difference(clean, got) == 0.0, (rank, _largest_difference(clean, got))
         assert got["lr"] == clean["lr"] and got["evals"] == clean["evals"] and len(clean["evals"]) == 3
         # Each step exactly once, plus one redo each of steps 3 and 6 (2 micro-batches each); the
         # last replacement ran steps 8 and 9.
-        assert got["calls"] == (4 if rank == 2 else 24), (rank, got["calls"])
-        # The loss logged at step 8 had the dead rank's share, lost with it; the others are equal.
+        assert got["calls"] == {0: 0, 1: 24, 2: 4}[rank], (rank, got["calls"])
+        # The losses logged at steps 8 and 10 had a dead rank's share, lost with it (it died in
+        # what follows those updates); the others are equal.
         differ = [i for i, (a, b) in enumerate(zip(got["losses"], clean["losses"])) if a != b]
-        assert len(got["losses"]) == len(clean["losses"]) == 5 and differ in ([], [3]), (rank, differ)
-    assert (out / "trainer-faulted" / "checkpoint-10").is_dir()
+        assert len(got["losses"]) == len(clean["losses"]) == 5 and set(differ) <= {3, 4}, (rank, differ)
+    # The checkpoint rank 0 died writing is whole: the same files as the undisturbed run's, the
+    # Trainer's state at step 10, and the optimizer's and scheduler's states equal to that run's.
+    ckpt, ref = out / "trainer-faulted" / "checkpoint-10", out / "trainer-undisturbed" / "checkpoint-10"
+    files = sorted(p.name for p in ckpt.iterdir())
+    assert files == sorted(p.name for p in ref.iterdir()), files
+    assert {"optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth"} <= set(files), files
+    assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 10
+    for name in ("optimizer.pt", "scheduler.pt"):
+        got_state, ref_state = (torch.load(d / name, weights_only=False) for d in (ckpt, ref))
+        assert str(got_state) == str(ref_state), name
 
 
 @pytest.mark.timeout(30)

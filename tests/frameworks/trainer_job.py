@@ -11,7 +11,10 @@ last micro-batch of optimizer step 3 (recovered in place; the step is redone), a
 SIGKILLs itself in the first micro-batch of step 6 and again (the replacement) in the evaluation
 after step 8's update (once each: marker files), replaced by ``fastdist run`` each time; a
 replacement is handed the live ranks' state, joins what they were redoing (the step, or the
-evaluation) and goes on. A checkpoint is saved at step 5 and 10.
+evaluation) and goes on. A checkpoint is saved at step 5 and 10; rank 0 SIGKILLs itself inside the
+save of step 10's (its model, optimizer and scheduler written, the RNG states and the Trainer's
+state not): the live ranks' barrier after the save fails, the step's saving is redone with its
+replacement, and the checkpoint ends whole.
 After each run a rank saves what the test compares to ``DIR/rank{R}-{run}.pt`` (a replacement
 skips the runs its rank finished).
 """
@@ -29,7 +32,7 @@ import torch
 import transformers
 from jobs_common import result
 
-STEPS, ACCUM, STALL_STEP, KILL_STEP, KILL_EVAL = 10, 2, 3, 6, 8
+STEPS, ACCUM, STALL_STEP, KILL_STEP, KILL_EVAL, KILL_SAVE = 10, 2, 3, 6, 8, 10
 
 
 class Faulty(fastdist.transformers.Trainer):
@@ -55,6 +58,16 @@ class Faulty(fastdist.transformers.Trainer):
                 open(self.marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        # Rank 0 dies inside the save of the last step's checkpoint, once: the model, optimizer and
+        # scheduler written, its RNG state and the Trainer's state not (a checkpoint half-written).
+        marker = f"{self.marker}-save"
+        here = torch.distributed.get_rank() == 0 and self.state.global_step == KILL_SAVE
+        if self.marker and here and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._save_rng_state(output_dir)
 
     def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
         rank, marker = torch.distributed.get_rank(), f"{self.marker}-eval"
@@ -99,7 +112,6 @@ def train(out: str, run: str, marker: str | None, stall: float) -> dict[str, Any
         eval_steps=4,
         save_strategy="steps",
         save_steps=5,
-        save_only_model=True,
         report_to=[],
         seed=7,
         use_cpu=True,
