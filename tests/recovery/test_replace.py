@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -179,6 +180,26 @@ def test_an_error_every_rank_hits_ends_the_job_once_without_replacements(tmp_pat
     # Launcher and workers start in about 10 s here (each imports torch); the replacements this
     # replaces took as much again each, with three tracebacks per round.
     assert took < 60, (took, log)
+
+
+def test_a_stall_that_outlives_the_recovery_is_named_not_called_the_scripts_error(tmp_path: Path) -> None:
+    """Rank 1 stalls 20 s (tests/recovery/replace_long_stall.py), longer than the step's deadline
+    plus recover()'s timeout (2 + 3 s): ranks 0 and 2 end with RecoveryError. fastdist run's
+    verdict names the stall (the rank, how long ago, that its process is alive) and the timeouts
+    that bound it, not the script's own error; nothing is replaced."""
+    rc, log = _launch(
+        tmp_path / "stall", "--nproc-per-node", "3", target=(str(HERE / "replace_long_stall.py"),)
+    )
+    assert rc != 0, log
+    assert "replacement started" not in log, log
+    assert "the script's own error" not in log, log
+    verdict = next(ln for ln in log.splitlines() if "did not return within the live ranks' recovery" in ln)
+    # (It answered the ring while asleep, so the step's timeout did not name it: the recovery did.)
+    assert re.search(
+        r"rank 1 stalled: named missing in the recovery of group 'default' \d+ s ago", verdict
+    ), verdict
+    assert "its process is alive" in verdict and "step_timeout + recover_timeout" in verdict, verdict
+    assert "ranks 0, 2 waited for it in recover()" in verdict, verdict
 
 
 def test_fsdp2_shards_of_a_dead_rank_are_refused_on_both_sides(tmp_path: Path) -> None:
@@ -631,9 +652,11 @@ def test_a_death_is_the_first_cause_ahead_of_the_faults_it_caused(tmp_path: Path
 
 def test_a_replacement_slow_to_start_is_not_killed_while_it_starts(reference: Path, tmp_path: Path) -> None:
     """The live ranks name a replacement that has not come to their recovery after 3 s; with
-    --kill-missing-after 2 the agent used to kill it while it was still starting (8 s here), and
+    --kill-missing-after 2 the agent used to kill it while it was still starting (12 s here), and
     spend the next replacement on the same death. A replacement is exempt until it joins (or 300 s
-    pass): one replacement, and the model equals the undisturbed run's."""
+    pass): one replacement, and the model equals the undisturbed run's. Its slow start is said
+    once it passes 10 s (13 s here: 12 s asleep, then torch's import), and its join in one line
+    naming the step and how long after the death."""
     out = tmp_path / "slow"
     rc, log = _launch(
         out,
@@ -643,13 +666,19 @@ def test_a_replacement_slow_to_start_is_not_killed_while_it_starts(reference: Pa
         "2",
         target=(
             str(HERE / "replace_slow_start.py"),
-            "8",
+            "12",
             *("--steps", str(STEPS), "--out", str(out), "--kill-rank", "1", "--kill-step", "5"),
         ),
     )
     live = log.split("[fastdist run] what happened:", 1)[0]
     assert rc == 0, log
     assert live.count("replacement started") == 1, log
-    assert "is a replacement still starting (it has not joined the job yet): not killed" in live, log
+    assert re.search(
+        r"is a replacement still starting 1\d s after it was started \(it has not joined", live
+    ), log
+    joined = re.search(
+        r"rank 1's replacement \(pid \d+\) joined the job at step 5, (\d+\.\d) s after the death", live
+    )
+    assert joined and 12 <= float(joined.group(1)) < 60, log
     assert "rank 1: joined the running job at step 5" in log and log.count("done at step 12") == 3, log
     assert compare(str(reference), str(out), 3) == 0.0

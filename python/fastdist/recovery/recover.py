@@ -62,6 +62,20 @@ logger = logging.getLogger(__name__)
 LINEAGE_PROBE = keys.key("lineage")
 
 
+def _step_of(state: Any, snapshot: Any) -> int | None:
+    """The step a joiner was handed, for fastdist run's line: the snapshot it rolled back to, else
+    an int ``step`` (or ``global_step``) attribute of an entry of its state (a Progress); None."""
+    restored = getattr(snapshot, "restored_step", None)
+    if isinstance(restored, int):
+        return restored
+    for value in (state or {}).values():
+        for name in ("step", "global_step"):
+            step = getattr(value, name, None)
+            if isinstance(step, int) and not isinstance(step, bool):
+                return step
+    return None
+
+
 def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = None) -> bool:
     """fastdist.sync_state on a process that takes a dead rank's place (or on a first start: False
     at once): it joins the live ranks' next ``recover(state=...)`` and loads their state."""
@@ -97,7 +111,7 @@ def recover_joining(state: Any, *, timeout: TimeoutLike = None, snapshot: Any = 
                 raise
             logger.warning("fastdist: %s; joining the live ranks' next recovery", err)
     joining.set_pending(False)
-    job.joined(dist.get_rank())
+    job.joined(dist.get_rank(), step=_step_of(state, snapshot))
     job.answering(dist.get_rank())  # a peer's timeout may have named this rank before it joined
     listener.start(dist.distributed_c10d._get_default_store(), dist.get_rank())
     return True

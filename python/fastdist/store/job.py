@@ -4,6 +4,7 @@ the rank it takes."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -107,16 +108,34 @@ def joined_key(rank: int) -> str:
     return keys.key("joined", rank)
 
 
-def joined(rank: int) -> None:
+def joined(rank: int, step: int | None = None) -> None:
     """Under ``fastdist run``: this process, a replacement or a spare, has joined the job as
-    ``rank`` (see :func:`joined_key`)."""
+    ``rank`` (see :func:`joined_key`), handed the state of ``step`` when its state says which."""
     store = JOB.store
     if store is None or os.environ.get(LAUNCHER_ENV) != "1":
         return
+    record = json.dumps({"pid": os.getpid(), "step": step})
     try:
-        bounded(lambda _a: store.set(joined_key(rank), str(os.getpid())), GRACE_SECONDS, "telling the agent")
+        bounded(lambda _a: store.set(joined_key(rank), record), GRACE_SECONDS, "telling the agent")
     except Exception as exc:  # noqa: BLE001 - the store is failing: the next fault says so
         logger.debug("could not tell fastdist run's agent that rank %d joined: %r", rank, exc)
+
+
+def parse_joined(data: bytes) -> dict[str, Any]:
+    """What :func:`joined` wrote: ``pid`` and ``step`` (None where the state did not say), or an
+    empty dict for anything else."""
+    try:
+        record = json.loads(data.decode(errors="replace"))
+    except ValueError:
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    step = record.get("step")
+    pid = record.get("pid")
+    return {
+        "pid": pid if isinstance(pid, int) else None,
+        "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+    }
 
 
 def under_launcher() -> bool:

@@ -77,6 +77,11 @@ SAME_ERROR_WINDOW = 3.0
 
 # The errors a death causes on the live ranks (fastdist.errors), and how long after the death an
 # exception exit counts as caused by it (their deadline, the report and the exit, on a loaded host).
+# How far back the suspicions of one stall go: a rank named missing again within this many
+# seconds of the last time is taken for the same stall (steps and recoveries are bounded by minutes).
+STALL_SPAN = 300.0
+# A RecoveryError's tail naming the ranks the recovery waited for (fastdist.errors.RecoveryError).
+_DID_NOT_TURN_UP = re.compile(r"\((ranks? [\d, ]+) did not turn up\)")
 FAULT_ERRORS = {"GroupAbortedError", "CollectiveTimeoutError", "RecoveryError", "FastdistError"}
 FAULT_WINDOW = 120.0
 
@@ -127,6 +132,10 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         # local ranks said to be busy (once per suspicion).
         self._cpu_seen: dict[int, tuple[float, float]] = {}
         self._said_busy: set[int] = set()
+        self._said_slow: set[int] = set()  # local ranks whose slow start was said
+        self._first_suspicion: dict[int, dict[str, Any]] = {}  # rank -> where its stall began
+        self._said_joined: set[tuple[int, int]] = set()  # (local rank, pid) whose join was said
+        self._started_at: dict[int, float] = {}  # local rank -> time.monotonic() its replacement began
         # Local rank -> (rank, pid) of a process that took a dead rank's place (a replacement or a
         # promoted spare) and has not said yet that it joined the job (fastdist.sync_state).
         self._unjoined: dict[int, tuple[int, int]] = {}
@@ -259,6 +268,8 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 self._link.beat()
             except Exception as exc:  # noqa: BLE001 - torch's DistNetworkError and kin: the store is gone
                 return self._store_lost(worker_group, exc)
+        if self._unjoined:
+            self._say_joined(worker_group)
         for lr, ctx in list(self._contexts.items()):
             result = ctx.wait(0)
             if result is not None and not result.is_failed() and lr in self._unjoined:
@@ -298,6 +309,27 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
         return RunResult(state=WorkerState.HEALTHY)
 
+    def _say_joined(self, worker_group: WorkerGroup) -> None:
+        """One line when a replacement (or a spare) has joined the job: the step it was handed
+        (when its state says, see fastdist.store.job.joined) and how long after the death."""
+        for lr, (rank, pid) in list(self._unjoined.items()):
+            if (lr, pid) in self._said_joined:
+                continue
+            try:
+                store = self._job_store(worker_group)
+                if not store.check([job.joined_key(rank)]):
+                    continue
+                record = job.parse_joined(bytes(store.get(job.joined_key(rank))))
+            except Exception:  # noqa: BLE001, S112 - the store is failing: said at the next poll or never
+                continue
+            self._said_joined.add((lr, pid))
+            deaths = [d[0] for d in self._deaths if d[1] == rank]
+            began = max(deaths) if deaths else self._started_at.get(lr)
+            after = "" if began is None else f", {time.monotonic() - began:.1f} s after the death"
+            at = "" if record.get("step") is None else f" at step {record['step']}"
+            who = "replacement" if self._started_at.get(lr) is not None else "spare"
+            self._say(f"rank {rank}'s {who} (pid {record.get('pid', pid)}) joined the job{at}{after}")
+
     def _read_suspects(
         self, worker_group: WorkerGroup
     ) -> tuple[Any, dict[int, dict[str, Any]], dict[int, float]] | None:
@@ -315,14 +347,30 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             return None
         suspicion: dict[int, dict[str, Any]] = {}
         answered: dict[int, float] = {}
-        for line in text.splitlines():
-            rec: Any = keys.parse_record(line, {"rank": int, "time": (int, float)}, "suspect record")
+        records: list[Any] = [
+            keys.parse_record(ln, {"rank": int, "time": (int, float)}, "suspect record")
+            for ln in text.splitlines()
+        ]
+        for rec in records:
             if rec is None:
                 continue
             if rec.get("answering"):
                 answered[rec["rank"]] = max(answered.get(rec["rank"], 0.0), float(rec["time"]))
             else:
                 suspicion[rec["rank"]] = rec
+        # Per rank, where its latest stall began: the earliest suspicion within STALL_SPAN of its
+        # latest (a rank that stalls is named again by each recovery that waits for it; a busy
+        # rank's answers prove it alive, not done).
+        named: dict[int, list[Any]] = {}
+        for rec in records:
+            if rec is not None and not rec.get("answering"):
+                named.setdefault(rec["rank"], []).append(rec)
+        self._first_suspicion = {}
+        for rank, recs in named.items():
+            latest = max(liveness.since(r) for r in recs)
+            self._first_suspicion[rank] = min(
+                (r for r in recs if liveness.since(r) >= latest - STALL_SPAN), key=liveness.since
+            )
         return store, suspicion, answered
 
     def _lost_node(
@@ -406,12 +454,14 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 except Exception:  # noqa: BLE001 - the store is failing: not killed on a guess
                     starting = True
                 if starting:
-                    if lr not in self._suspected:
-                        self._suspected[lr] = math.inf
+                    self._suspected.setdefault(lr, math.inf)
+                    started = time.time() - self._serving_since.get(lr, 0.0)
+                    if started >= liveness.SLOW_START and lr not in self._said_slow:
+                        self._said_slow.add(lr)  # a healthy one joins in seconds: said only when slow
                         self._say(
-                            f"rank {rank} (local rank {lr}, pid {pid}) is a replacement still starting (it "
-                            "has not joined the job yet): not killed before it joins or "
-                            f"{liveness.START_GRACE:.0f} s pass"
+                            f"rank {rank} (local rank {lr}, pid {pid}) is a replacement still starting "
+                            f"{started:.0f} s after it was started (it has not joined the job yet): not "
+                            f"killed before it joins or {liveness.START_GRACE:.0f} s pass"
                         )
                     continue
                 if self._suspected.get(lr) == math.inf:
@@ -608,6 +658,16 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                     f"rank {r.rank}'s error (pid {r.failure.pid}), after rank {death[1]}'s death", r.failure
                 )
             return RunResult(state=WorkerState.FAILED, failures={r.rank: r.failure for r in raised})
+        stall = self._stall_verdict(worker_group, raised)
+        if stall is not None:
+            self.verdict = stall
+            self._say(stall + "; stopping the job")
+            self._stop_workers(worker_group)
+            for r in raised:
+                line = error_line(r.failure)
+                print(f"[fastdist run] rank {r.rank} (pid {r.failure.pid}): {line}", file=sys.stderr)
+            self.showed_root_cause = True
+            return RunResult(state=WorkerState.FAILED, failures={r.rank: r.failure for r in raised})
         self._say(
             f"rank{'s' if len(raised) > 1 else ''} {ranks} ended with an exception {why}: the "
             "script's own error, not a dead worker: no replacement; stopping the job"
@@ -623,6 +683,46 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             print(f"[fastdist run] rank {other.rank} (pid {other.failure.pid}): {what}", file=sys.stderr)
         self.showed_root_cause = True
         return RunResult(state=WorkerState.FAILED, failures={r.rank: r.failure for r in raised})
+
+    def _stall_verdict(self, worker_group: WorkerGroup, raised: list[Raised]) -> str | None:
+        """When every exception exit is a live rank's RecoveryError that waited for ranks which
+        did not turn up and did not die (a stall that outlived the recovery): the verdict naming
+        the stalled ranks, how long each has been stalled (since a live rank named it missing),
+        its process's state, and the timeouts that bound it; else None."""
+        missing: set[int] = set()
+        for r in raised:
+            found = _DID_NOT_TURN_UP.search(error_line(r.failure))
+            if error_type(r.failure) != "RecoveryError" or found is None:
+                return None
+            missing |= {int(n) for n in re.findall(r"\d+", found.group(1))}
+        missing -= {r.rank for r in raised}
+        dead = {d[1] for d in self._deaths}
+        if not missing or missing & dead:
+            return None
+        self._read_suspects(worker_group)
+        said = []
+        for rank in sorted(missing):
+            rec = self._first_suspicion.get(rank)
+            lr = next((lr for lr, rk in self._serves.items() if rk == rank), None)
+            ctx = self._contexts.get(lr) if lr is not None else None
+            how = f"rank {rank}"
+            if rec is not None:
+                ago = time.time() - liveness.since(rec)
+                how += f" stalled: named missing in {rec.get('what')} {ago:.0f} s ago"
+            else:
+                how += " stalled"
+            if ctx is not None and ctx.wait(0) is None:
+                how += f" (its process is alive: {liveness.process_state(int(ctx.pids()[0]))})"
+            said.append(how)
+        ranks = ", ".join(str(r) for r in sorted(r.rank for r in raised))
+        return (
+            f"{'; '.join(said)}, and did not return within the live ranks' recovery: rank"
+            f"{'s' if len(raised) > 1 else ''} {ranks} waited for it in recover() until its timeout and "
+            "ended with RecoveryError. A stalled rank must be back within the step's deadline plus "
+            "recover()'s timeout (step_timeout + recover_timeout, docs/frameworks.md): raise "
+            "recover_timeout, or pass --kill-missing-after S so that a worker silent that long is "
+            "killed and replaced"
+        )
 
     def _first_cause(self, raised: list[Raised]) -> tuple[float, int, str] | None:
         """The death by signal that the exception exits ``raised`` followed (within FAULT_WINDOW
@@ -662,6 +762,8 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             self._replacements_left -= 1
             pid = self._start_one(worker_group, worker_group.workers[lr], rank=rank)
             self._unjoined[lr] = (rank, pid)
+            self._started_at[lr] = time.monotonic()
+            self._said_slow.discard(lr)
             self._serves[lr] = rank
             self._say(
                 f"rank {rank}: replacement started (pid {pid}), {self._replacements_left} replacements left"

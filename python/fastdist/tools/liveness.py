@@ -23,6 +23,9 @@ SUSPECTS_EVERY = 0.5
 # the state take tens of seconds on a busy GPU host, and killing a replacement while it starts
 # spends the job's replacements on one death.
 START_GRACE = 300.0
+# A replacement still starting after this many seconds is said to be slow (named once, with the
+# grace it has): a healthy one imports torch and joins in a few seconds.
+SLOW_START = 10.0
 # A suspected worker shows a sign of life (it is busy, not frozen) when its heartbeat thread
 # touched its file within this many seconds (fastdist.store.job.start_heartbeat), or when its
 # process used at least BUSY_CPU_SHARE of a core since the agent's last look: then its kill clock
