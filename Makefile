@@ -2,7 +2,7 @@
 #   make demo    set up .venv (torch==2.13.0 unless the venv has a torch), build, run the demo
 #                (a worker SIGKILLed mid-step under fastdist run and replaced)
 #   make test    same set-up, then `make check` (lint, types, sanitizers), then the test suite less
-#                the framework jobs (make test-frameworks runs those; .ci/run runs both)
+#                the framework and multi-node jobs (make test-jobs runs those; .ci/run runs both)
 #   make bench   same set-up, then bench/ (results in bench/results/)
 #   make docs    same set-up, then the documentation site (docs/) into build/site
 PYTHON ?= python3
@@ -11,7 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fastdist-installed
 SOURCES := pyproject.toml CMakeLists.txt $(shell find csrc python -type f -not -name '*.pyc' 2>/dev/null)
 
-.PHONY: setup demo check test test-frameworks bench docs clean bench-smoke
+.PHONY: setup demo check test test-jobs bench docs clean bench-smoke
 
 setup: $(STAMP)
 
@@ -51,14 +51,14 @@ test: setup
 	scripts/install-test-deps
 	$(PY) -c "import sys; sys.path.insert(0, 'tests/support'); import fake_nccl" & double=$$!; \
 	  $(MAKE) --no-print-directory check; gates=$$?; wait $$double || exit 1; exit $$gates
-	$(PY) -m pytest -n 3 --dist worksteal --durations=25 -m "not bench_smoke and not frameworks"
+	$(PY) -m pytest -n 3 --dist worksteal --durations=25 -m "not bench_smoke and not frameworks and not nodes"
 
 # The tests that start a framework (Lightning, Fabric, Accelerate, the Hugging Face Trainer) or
-# torch's own distributed suite (marked in tests/conftest.py): a step of their own, which .ci/run
-# runs after make test on every submission (about 4 minutes on 2 cores).
-test-frameworks: setup
+# torch's own distributed suite, and the jobs of several nodes (marked in tests/conftest.py): a
+# step of their own, which .ci/run runs after make test on every submission (about 5 minutes).
+test-jobs: setup
 	scripts/install-test-deps
-	$(PY) -m pytest -n 3 --dist worksteal --durations=10 -m frameworks
+	$(PY) -m pytest -n 3 --dist worksteal --durations=10 -m "frameworks or nodes"
 
 # bench/ must not rot: each benchmark once, tiny, no timing asserted (about a minute; .ci/run runs
 # it after make test, which it would push past 15 minutes on 2 cores).

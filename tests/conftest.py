@@ -28,27 +28,36 @@ _LONGEST_FIRST = (
 )
 
 
-# The tests that start a training framework (Lightning, Fabric, Accelerate, the Hugging Face
-# Trainer) or run torch's own distributed suite: marked `frameworks`, they are a step of their own
-# (make test-frameworks, which .ci/run runs after make test on every submission), so that make test
-# stays inside its cap on 2 cores. Nothing is dropped: `pytest` alone still runs them all.
+# Two kinds of test are a step of their own (make test-jobs, which .ci/run runs after make test
+# on every submission), so that make test stays inside its cap on 2 cores; nothing is dropped
+# (`pytest` alone runs them all): `frameworks`, the tests that start a training framework
+# (Lightning, Fabric, Accelerate, the Hugging Face Trainer) or run torch's own distributed suite,
+# and `nodes`, the jobs of several nodes (agents) and the network cut between processes.
 _FRAMEWORK_FOLDERS = ("tests/frameworks/", "tests/torch_suite/")
 _FRAMEWORK_EXAMPLES = ("[accelerate-", "[fabric-", "[hf-", "[lightning-")
+_REPLACE = "tests/recovery/test_replace.py::"
+_NODES = (
+    "tests/diagnostics/test_netfaults.py::",
+    f"{_REPLACE}test_a_dead_node_",
+    f"{_REPLACE}test_the_node_hosting_",
+    f"{_REPLACE}test_a_lost_node_",
+)
 
 
-def _starts_a_framework(item: object) -> bool:
+def _marks(item: object) -> list[str]:
     node = str(getattr(item, "nodeid", ""))
-    return node.startswith(_FRAMEWORK_FOLDERS) or (
+    framework = node.startswith(_FRAMEWORK_FOLDERS) or (
         node.startswith("tests/docs/") and any(key in node for key in _FRAMEWORK_EXAMPLES)
     )
+    return (["frameworks"] if framework else []) + (["nodes"] if node.startswith(_NODES) else [])
 
 
 def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
     import pytest
 
     for item in items:
-        if _starts_a_framework(item):
-            item.add_marker(pytest.mark.frameworks)
+        for mark in _marks(item):
+            item.add_marker(getattr(pytest.mark, mark))
 
     def rank(item: object) -> int:
         node = str(getattr(item, "nodeid", ""))
