@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .deadlines import fail_after, validate_seconds
 from .errors import FastdistError, RecoveryError
-from .recovery import reconcile
+from .recovery import randomness, reconcile
 from .recovery.recover import recover
 from .recovery.snapshot import PeerSnapshot
 
@@ -90,9 +90,16 @@ class StepStart:
                 for group in opt.param_groups:
                     for p in group["params"]:
                         self.grads.append((p, None if p.grad is None else p.grad.detach().clone()))
+        # On a replacement that joined the redo of this step: its predecessor's random state now.
+        self.count = randomness.next_count()
+        randomness.take_pending(self.count)
         self.rng = torch.random.get_rng_state()
         cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+        self.other_rng = randomness.capture()  # Python's random, NumPy's
+        # Under fastdist run, sent to the job's store: a replacement of this rank that joins the
+        # redo of this step draws what this rank would have (fastdist.recovery.randomness).
+        randomness.publish(self.count, self.rng, self.cuda_rng, self.other_rng)
         self.updates = 0
         self._hooks: list[Any] = []
 
@@ -109,8 +116,9 @@ class StepStart:
         self._hooks = []
 
     def restore(self) -> None:
-        """Puts back what the step began with: the gradients kept at the start and the CPU and CUDA
-        RNG states; the count of optimizer updates starts again at 0."""
+        """Puts back what the step began with: the gradients kept at the start and the random
+        states (torch's CPU and CUDA generators, Python's, NumPy's); the count of optimizer
+        updates starts again at 0."""
         for p, grad in self.grads:
             if grad is None:
                 p.grad = None
@@ -121,6 +129,7 @@ class StepStart:
         torch.random.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        randomness.restore(self.other_rng)
         self.updates = 0
 
 

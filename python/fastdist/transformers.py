@@ -58,6 +58,7 @@ except ImportError as exc:  # pragma: no cover - the error says what to install
 from .accelerate import _refuse_alone
 from .accelerate import init_process_group as _accelerate_init
 from .errors import FastdistError
+from .recovery import randomness
 from .recovery.growing import sync_state
 from .steps import check_retries, positive_seconds, run_step
 
@@ -274,8 +275,13 @@ class Trainer(_hf.Trainer):
         done = self.state.global_step - epoch * num_update_steps_per_epoch
         if done > num_update_steps_per_epoch:
             return  # a replacement that joined in a later epoch
+        caught_up = None
         if joined_in:
             after(joined_in)  # the live ranks' logging, evaluation or saving it joined
+            # Its predecessor's random state as that ended: what a replacement draws from here to
+            # its first step (the seeds a DataLoader's iterator and sampler draw as they start,
+            # drawn by its predecessor at the epoch's start) is put back before that step.
+            caught_up = randomness.everything()
         if done == num_update_steps_per_epoch:  # it joined at the end of this epoch
             if joined_in != "epoch":
                 self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
@@ -298,6 +304,9 @@ class Trainer(_hf.Trainer):
             if not window:
                 break
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            if caught_up is not None:
+                randomness.put_back(caught_up)
+                caught_up = None
             first = update_step * accum
             losses, grad_norm, progress.learning_rate = self._redo(
                 lambda w=window, s=first: self._window(model, w, s, steps_in_epoch),  # type: ignore[misc]

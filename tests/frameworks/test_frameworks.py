@@ -535,7 +535,9 @@ def test_hugging_face_trainer_survives_a_stall_and_three_deaths_equal_to_an_undi
     the live ranks' redo of that evaluation), and rank 0 inside the save of step 10's checkpoint
     (the live ranks' barrier after the save fails; the saving is redone with rank 0's
     replacement, and the checkpoint loads, whole: it was left without its RNG states and the
-    Trainer's state before). Every rank ends with the parameters and momentum of
+    Trainer's state before). With GPT-2's dropout on: each replacement takes the random state its
+    predecessor published at the start of the step redone (the job differed by 0.033 before).
+    Every rank ends with the parameters and momentum of
     an undisturbed run (0.0: the same reduction order) and the same evaluations."""
     out = tmp_path / "out"
     out.mkdir()
@@ -546,6 +548,7 @@ def test_hugging_face_trainer_survives_a_stall_and_three_deaths_equal_to_an_undi
     ]
     assert "rank 1 never arrived" in text, text[-4000:]  # the stall was real
     assert "the checkpoint of step 10 was cut short" in text, text[-4000:]  # rank 0 died in the save
+    assert "was not kept (it died before it was sent)" not in text, text[-4000:]  # each took it
     for rank in range(3):
         clean = torch.load(out / f"rank{rank}-undisturbed.pt", weights_only=False)
         got = torch.load(out / f"rank{rank}-faulted.pt", weights_only=False)

@@ -1,6 +1,7 @@
 """A Hugging Face Trainer job as a user writes it, for tests/frameworks/test_frameworks.py's Trainer test:
 ``python -m fastdist.run --nproc-per-node 3 tests/frameworks/trainer_job.py --out DIR``. A tiny GPT-2 built
-from its config (no download, no dropout: a replacement cannot draw a dead rank's masks), CPU
+from its config (no download; its default dropout, 0.1: a replacement draws the masks its
+predecessor would have, fastdist.recovery.randomness), CPU
 (gloo), ``gradient_accumulation_steps=2`` (the Trainer gathers the window's token count before
 it, a collective outside the step), a linear LR schedule with warm-up, SGD with momentum, the
 Trainer's shuffled sampler, logging every 2 steps and an evaluation every 4 (collectives at the
@@ -90,10 +91,9 @@ class Data(torch.utils.data.Dataset):
 
 
 def train(out: str, run: str, marker: str | None, stall: float) -> dict[str, Any]:
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+    # GPT2Config's default dropout (0.1): each replacement draws the masks its predecessor would
+    # have, from the random state it published at the start of the step redone.
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(

@@ -18,7 +18,7 @@ from ..deadlines import (
 from ..errors import FastdistError, RecoveryError
 from ..groups import pgstate
 from ..store import keys, keywait, seal
-from . import joining, reconcile, state_sync, wrappers
+from . import joining, randomness, reconcile, state_sync, wrappers
 from .snapshot import PeerSnapshot, load_into, newest_covering, own_copy, replicas
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,10 @@ def _reconcile(
             source=None if done is None else done.source,
             ahead=ahead,
         )
+    if joiners:
+        live = [r for r in (st.global_rank(i) for i in range(st.size)) if r not in joiners]
+        if live:  # each joiner's predecessor's random state at the start of the step redone
+            randomness.hand_over(st.name, gen, me, min(live), joiners, deadline)
     same = me in joiners or me in ahead or me in alike
     count = counts[done.source] if done is not None and same else held[0]
     reconcile.finish(st, count, done)
