@@ -16,6 +16,8 @@ every record fastdist reads from the store (never unpickled).
 
 from __future__ import annotations
 
+import array
+import atexit
 import base64
 import logging
 import queue
@@ -112,6 +114,21 @@ def _start() -> None:
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_send, name="fastdist-random-state", daemon=True)
             _thread.start()
+            atexit.register(_stop)
+
+
+def _stop() -> None:
+    """At exit: the sender ends after the record it is sending (a daemon thread inside a store
+    call as the interpreter goes would end the process in std::terminate)."""
+    thread = _thread
+    if thread is not None and thread.is_alive():
+        _queue.put(None)
+        thread.join(EXIT_SECONDS)
+
+
+# How long the exit waits for the record being sent (a store call is bounded by the store's own
+# timeout; this bounds the exit whatever it is).
+EXIT_SECONDS = 2.0
 
 
 def _key(rank: int) -> str:
@@ -155,10 +172,16 @@ def encode(count: int, states: dict[str, Any]) -> dict[str, Any]:
     if states.get("cuda") is not None:
         record["cuda"] = [_b64(t) for t in states["cuda"]]
     version, internal, gauss = states["python"]
-    record["python"] = [version, list(internal), gauss]
+    record["python"] = [version, base64.b64encode(array.array("I", internal).tobytes()).decode(), gauss]
     if "numpy" in states:
         name, keys_, pos, has_gauss, cached = states["numpy"]
-        record["numpy"] = [name, [int(k) for k in keys_], int(pos), int(has_gauss), float(cached)]
+        record["numpy"] = [
+            name,
+            base64.b64encode(keys_.tobytes()).decode(),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ]
     return record
 
 
@@ -169,11 +192,14 @@ def load(record: dict[str, Any]) -> None:
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_tensor(t) for t in cuda])
     version, internal, gauss = record["python"]
-    random.setstate((version, tuple(internal), gauss))
+    words = array.array("I")
+    words.frombytes(base64.b64decode(internal))
+    random.setstate((version, tuple(words), gauss))
     numpy = sys.modules.get("numpy")
     if numpy is not None and "numpy" in record:
         name, keys_, pos, has_gauss, cached = record["numpy"]
-        numpy.random.set_state((name, numpy.array(keys_, dtype=numpy.uint32), pos, has_gauss, cached))
+        state = numpy.frombuffer(base64.b64decode(keys_), dtype=numpy.uint32).copy()
+        numpy.random.set_state((name, state, pos, has_gauss, cached))
 
 
 def _count_key(group: str, generation: int) -> str:
