@@ -51,7 +51,7 @@ test: setup
 	scripts/install-test-deps
 	$(PY) -c "import sys; sys.path.insert(0, 'tests/support'); import fake_nccl" & double=$$!; \
 	  $(MAKE) --no-print-directory check; gates=$$?; wait $$double || exit 1; exit $$gates
-	$(PY) -m pytest -n 4 --dist worksteal --durations=25 -m "not bench_smoke and not frameworks and not nodes"
+	$(PY) -m pytest -n 3 --dist worksteal --durations=25 -m "not bench_smoke and not frameworks and not nodes"
 
 # The tests that start a framework (Lightning, Fabric, Accelerate, the Hugging Face Trainer) or
 # torch's own distributed suite, and the jobs of several nodes (marked in tests/conftest.py): a

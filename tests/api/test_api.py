@@ -375,6 +375,7 @@ _BENCH_PARTS = {
         "test_scale.py",
         "test_timers.py",
         "test_engine_cost.py",
+        "test_random_state.py",
     ),
     "deaths-and-exits": ("test_exit_time.py", "test_replace.py", "test_reaping.py"),
     "faults-and-stores": (
