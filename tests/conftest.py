@@ -31,9 +31,10 @@ _LONGEST_FIRST = (
 # Two kinds of test are a step of their own (make test-jobs, which .ci/run runs after make test
 # on every submission), so that make test stays inside its cap on 2 cores; nothing is dropped
 # (`pytest` alone runs them all): `frameworks`, the tests that start a training framework
-# (Lightning, Fabric, Accelerate, the Hugging Face Trainer) or run torch's own distributed suite,
+# (Lightning, Fabric, Accelerate, the Hugging Face Trainer) or torch's own launcher (torchrun's
+# agent, its restarts and rendezvous) or run torch's own distributed suite,
 # and `nodes`, the jobs of several nodes (agents) and the network cut between processes.
-_FRAMEWORK_FOLDERS = ("tests/frameworks/", "tests/torch_suite/")
+_FRAMEWORK_FOLDERS = ("tests/frameworks/", "tests/torch_suite/", "tests/launcher/test_torchrun.py::")
 _FRAMEWORK_EXAMPLES = ("[accelerate-", "[fabric-", "[hf-", "[lightning-")
 _REPLACE = "tests/recovery/test_replace.py::"
 _NODES = (
