@@ -43,8 +43,8 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 # Three workers on 2 cores: much of the suite's time is spent waiting for deadlines and processes
-# (measured with the ranks forked from a zygote, tests/support/zygote.py: 661 s on three workers, 715 s on
-# two, every test passing both ways; the timing tests' tolerances hold with the CPU saturated).
+# (fresh clone with a busy loop holding one core beside it: 11 min 59 s in all, the suite 515 s; four
+# workers were slower there, 13 min 31 s, and three timing tests failed).
 # The tests' CPU double of NCCL (tests/support/doubles, torch's cpp_extension) is built against this torch
 # while the gates run (about a minute of compiling, beside mypy's one core).
 test: setup
