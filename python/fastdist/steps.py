@@ -93,13 +93,10 @@ class StepStart:
         # On a replacement that joined the redo of this step: its predecessor's random state now.
         self.count = randomness.next_count()
         randomness.take_pending(self.count)
-        self.rng = torch.random.get_rng_state()
-        cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-        self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
-        self.other_rng = randomness.capture()  # Python's random, NumPy's
+        self.random = randomness.everything()  # torch's CPU and CUDA generators, Python's, NumPy's
         # Under fastdist run, sent to the job's store: a replacement of this rank that joins the
         # redo of this step draws what this rank would have (fastdist.recovery.randomness).
-        randomness.publish(self.count, self.rng, self.cuda_rng, self.other_rng)
+        randomness.publish(self.count, self.random)
         self.updates = 0
         self._hooks: list[Any] = []
 
@@ -126,10 +123,7 @@ class StepStart:
                 p.grad = grad.clone()
             else:
                 p.grad.copy_(grad)
-        torch.random.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        randomness.restore(self.other_rng)
+        randomness.put_back(self.random)
         self.updates = 0
 
 

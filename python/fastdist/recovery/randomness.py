@@ -47,28 +47,19 @@ def next_count() -> int:
     return _count
 
 
-def current_count() -> int:
-    """The count of the last step started in this process."""
-    return _count
-
-
-def capture() -> dict[str, Any]:
-    """This process's random generators now, as objects (cheap: no encoding here)."""
-    states: dict[str, Any] = {"python": random.getstate()}
+def everything() -> dict[str, Any]:
+    """Every generator this module keeps (torch's CPU and CUDA ones, Python's, NumPy's when
+    NumPy is imported), now, as objects (no encoding here)."""
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "cpu": torch.random.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if cuda else None,
+    }
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         states["numpy"] = numpy.random.get_state()
     return states
-
-
-def everything() -> dict[str, Any]:
-    """Every generator this module keeps (torch's CPU and CUDA ones, Python's, NumPy's), now."""
-    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    return {
-        **capture(),
-        "cpu": torch.random.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if cuda else None,
-    }
 
 
 def put_back(states: dict[str, Any]) -> None:
@@ -76,26 +67,19 @@ def put_back(states: dict[str, Any]) -> None:
     torch.random.set_rng_state(states["cpu"])
     if states.get("cuda") is not None:
         torch.cuda.set_rng_state_all(states["cuda"])
-    restore(states)
-
-
-def restore(states: dict[str, Any]) -> None:
-    """Puts back what :func:`capture` took."""
     random.setstate(states["python"])
     numpy = sys.modules.get("numpy")
     if numpy is not None and "numpy" in states:
         numpy.random.set_state(states["numpy"])
 
 
-def publish(count: int, cpu: torch.Tensor, cuda: list[torch.Tensor] | None, other: dict[str, Any]) -> None:
-    """Under ``fastdist run``: the random state at the start of step ``count`` (``cpu``, ``cuda``:
-    torch's; ``other``: :func:`capture`'s; taken by the caller), sent to the job's store from a
-    thread of its own."""
+def publish(count: int, states: dict[str, Any]) -> None:
+    """Under ``fastdist run``: the random state at the start of step ``count`` (``states``:
+    :func:`everything`'s, taken by the caller), sent to the job's store from a thread of its own."""
     if not _publishing():
         return
     import torch.distributed as dist
 
-    states = {**other, "cpu": cpu, "cuda": cuda}
     _start()
     _queue.put((dist.get_rank(), count, states))
 

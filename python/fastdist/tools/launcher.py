@@ -133,7 +133,6 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._cpu_seen: dict[int, tuple[float, float]] = {}
         self._said_busy: set[int] = set()
         self._said_slow: set[int] = set()  # local ranks whose slow start was said
-        self._first_suspicion: dict[int, dict[str, Any]] = {}  # rank -> where its stall began
         self._said_joined: set[tuple[int, int]] = set()  # (local rank, pid) whose join was said
         self._started_at: dict[int, float] = {}  # local rank -> time.monotonic() its replacement began
         # Local rank -> (rank, pid) of a process that took a dead rank's place (a replacement or a
@@ -335,6 +334,22 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
     ) -> tuple[Any, dict[int, dict[str, Any]], dict[int, float]] | None:
         """The job's store, and per rank its latest suspicion (fastdist.store.job.suspects_key)
         and when it last answered; None when there is none or the store is failing."""
+        read = self._suspect_records(worker_group)
+        if read is None:
+            return None
+        store, records = read
+        suspicion: dict[int, dict[str, Any]] = {}
+        answered: dict[int, float] = {}
+        for rec in records:
+            if rec.get("answering"):
+                answered[rec["rank"]] = max(answered.get(rec["rank"], 0.0), float(rec["time"]))
+            else:
+                suspicion[rec["rank"]] = rec
+        return store, suspicion, answered
+
+    def _suspect_records(self, worker_group: WorkerGroup) -> tuple[Any, list[Any]] | None:
+        """The job's store and its suspect records, in order (the signed ones); None when there
+        are none or the store is failing."""
         try:
             store = self._job_store(worker_group)
             if not store.check([job.suspects_key()]):
@@ -345,33 +360,11 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 self._suspects_failed = True
                 logger.warning("fastdist run: could not read the workers' suspicions: %r", exc)
             return None
-        suspicion: dict[int, dict[str, Any]] = {}
-        answered: dict[int, float] = {}
-        records: list[Any] = [
+        parsed = (
             keys.parse_record(ln, {"rank": int, "time": (int, float)}, "suspect record")
             for ln in text.splitlines()
-        ]
-        for rec in records:
-            if rec is None:
-                continue
-            if rec.get("answering"):
-                answered[rec["rank"]] = max(answered.get(rec["rank"], 0.0), float(rec["time"]))
-            else:
-                suspicion[rec["rank"]] = rec
-        # Per rank, where its latest stall began: the earliest suspicion within STALL_SPAN of its
-        # latest (a rank that stalls is named again by each recovery that waits for it; a busy
-        # rank's answers prove it alive, not done).
-        named: dict[int, list[Any]] = {}
-        for rec in records:
-            if rec is not None and not rec.get("answering"):
-                named.setdefault(rec["rank"], []).append(rec)
-        self._first_suspicion = {}
-        for rank, recs in named.items():
-            latest = max(liveness.since(r) for r in recs)
-            self._first_suspicion[rank] = min(
-                (r for r in recs if liveness.since(r) >= latest - STALL_SPAN), key=liveness.since
-            )
-        return store, suspicion, answered
+        )
+        return store, [rec for rec in parsed if rec is not None]
 
     def _lost_node(
         self, worker_group: WorkerGroup, suspicion: dict[int, dict[str, Any]], answered: dict[int, float]
@@ -699,10 +692,11 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         dead = {d[1] for d in self._deaths}
         if not missing or missing & dead:
             return None
-        self._read_suspects(worker_group)
+        read = self._suspect_records(worker_group)
+        records = read[1] if read is not None else []
         said = []
         for rank in sorted(missing):
-            rec = self._first_suspicion.get(rank)
+            rec = _stall_began(records, rank)
             lr = next((lr for lr, rk in self._serves.items() if rk == rank), None)
             ctx = self._contexts.get(lr) if lr is not None else None
             how = f"rank {rank}"
@@ -772,6 +766,20 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         self._say(f"rank {rank}: no replacement left (--max-replacements spent): stopping the job")
         self._stop_workers(worker_group)
         return RunResult(state=WorkerState.FAILED, failures={rank: failure})
+
+
+def _stall_began(records: list[Any], rank: int) -> dict[str, Any] | None:
+    """Where ``rank``'s latest stall began: of the suspect records naming it, the earliest within
+    STALL_SPAN of the latest (a rank that stalls is named again by each recovery that waits for it;
+    a busy rank's answers prove it alive, not done); None when none names it."""
+    named = [r for r in records if r["rank"] == rank and not r.get("answering")]
+    if not named:
+        return None
+    latest = max(liveness.since(r) for r in named)
+    first: dict[str, Any] = min(
+        (r for r in named if liveness.since(r) >= latest - STALL_SPAN), key=liveness.since
+    )
+    return first
 
 
 def main(argv: Sequence[str] | None = None) -> int:
