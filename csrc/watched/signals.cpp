@@ -25,13 +25,17 @@ std::atomic<bool> g_sigint_unclaimed{false};
 
 void on_sigint(int sig, siginfo_t* info, void* context) {
   const int saved = errno;
-  sem_post(&g_sigint_sem);  // async-signal-safe
-  errno = saved;
+  // Python's handler first: it only marks the signal pending. The loop woken below ends the ops
+  // in flight, and a main thread that then finds its op ended asks Python whether a signal is
+  // pending (to raise the KeyboardInterrupt, not the group's error): it must be already. (Posted
+  // first, a handler preempted on another thread let the main thread raise the group's error.)
   if (g_prev_sigint.sa_flags & SA_SIGINFO) {
     if (g_prev_sigint.sa_sigaction != nullptr) g_prev_sigint.sa_sigaction(sig, info, context);
   } else if (g_prev_sigint.sa_handler != SIG_DFL && g_prev_sigint.sa_handler != SIG_IGN) {
     g_prev_sigint.sa_handler(sig);
   }
+  sem_post(&g_sigint_sem);  // async-signal-safe
+  errno = saved;
 }
 
 void interrupt_loop() {
