@@ -190,8 +190,9 @@ def test_rendezvous_completes_when_everyone_comes_and_join_closes_early() -> Non
     out = _rendezvous_threads(HashStore(), 3, [0, 1, 2], lambda: RendezvousTimeout(10.0))
     assert all(v[0] == "ok" and v[1] < 1.0 for v in out.values()), out
     # join: ranks may only join for 0.3 s, although the countdown is 10 s.
+    # (as above, the rank that started later reads the first one's outcome: 0.298 s in a CI run)
     out = _rendezvous_threads(HashStore(), 3, [0, 1], lambda: RendezvousTimeout(10.0, join=0.3))
-    assert all(isinstance(v[0], RendezvousTimeoutError) and 0.3 <= v[1] < 1.0 for v in out.values()), out
+    assert all(isinstance(v[0], RendezvousTimeoutError) and 0.25 <= v[1] < 1.0 for v in out.values()), out
     with pytest.raises(ValueError, match="^join must be positive, got -1.0$"):
         RendezvousTimeout(5, join=-1)
 
